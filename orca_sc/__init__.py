@@ -1,0 +1,28 @@
+"""orca_sc: open-world cell-type annotation with ORCA (Cao, Brbić & Leskovec, ICLR 2022)."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("orca_sc")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.1.0"
+
+from . import datasets, metrics, tl  # noqa: E402
+from ._config import HEAD_SCALE, OrcaConfig  # noqa: E402
+from ._data import OrcaInputError  # noqa: E402
+from ._estimate import estimate_n_novel  # noqa: E402
+from ._model import OrcaModel  # noqa: E402
+from ._train import TrainingDivergedError  # noqa: E402
+
+__all__ = [
+    "HEAD_SCALE",
+    "OrcaConfig",
+    "OrcaInputError",
+    "OrcaModel",
+    "TrainingDivergedError",
+    "datasets",
+    "estimate_n_novel",
+    "metrics",
+    "tl",
+    "__version__",
+]

@@ -1,0 +1,130 @@
+"""Bringing query batches onto the reference before training (fixes batch shift).
+
+Every method returns an affine transform per batch, ``x' = x * scale[b] + offset[b]`` (each
+``(n_batches, n_genes)``), applied to dense mini-batches only, so the count matrix stays sparse.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+_STD_FLOOR = 0.05
+
+
+def identity(n_domains: int, n_genes: int) -> tuple[np.ndarray, np.ndarray]:
+    return (
+        np.ones((n_domains, n_genes), dtype=np.float32),
+        np.zeros((n_domains, n_genes), dtype=np.float32),
+    )
+
+
+def _mean_var(X: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
+    mean = np.asarray(X.mean(axis=0)).ravel()
+    sq = np.asarray(X.multiply(X).mean(axis=0)).ravel()
+    return mean, np.maximum(sq - mean**2, 0.0)
+
+
+def standardize(X: sp.csr_matrix, domain: np.ndarray, n_domains: int):
+    """z-score each gene within each batch (``std`` floored at 0.05 to keep rare genes sane)."""
+    scale, offset = identity(n_domains, X.shape[1])
+    for d in range(n_domains):
+        rows = np.flatnonzero(domain == d)
+        if rows.size == 0:
+            continue
+        mean, var = _mean_var(X[rows])
+        sd = np.maximum(np.sqrt(var), _STD_FLOOR)
+        scale[d] = 1.0 / sd
+        offset[d] = -mean / sd
+    return scale, offset
+
+
+def class_centroids(X: sp.csr_matrix, labels: np.ndarray, n_classes: int) -> np.ndarray:
+    """Mean expression of each labelled class, ``(n_classes, n_genes)``; sparse products only."""
+    rows = np.flatnonzero(labels >= 0)
+    ind = sp.csr_matrix(
+        (np.ones(rows.size, dtype=np.float64), (labels[rows], rows)), shape=(n_classes, X.shape[0])
+    )
+    counts = np.asarray(ind.sum(axis=1)).ravel()
+    sums = np.asarray((ind @ X).todense())
+    return (sums / np.maximum(counts, 1)[:, None]).astype(np.float32)
+
+
+def centroid_shift(
+    Xq: sp.csr_matrix,
+    centroids: np.ndarray,
+    n_iter: int = 3,
+    frac: float = 0.5,
+) -> np.ndarray:
+    """Offset that moves batch ``Xq`` onto the reference class ``centroids``.
+
+    Each query cell is matched to its most correlated centroid; a centroid keeps only the query
+    cells among its ``frac * n_q / K`` most correlated ones (mutual matches), so cells of types the
+    reference lacks, which match no centroid well, barely contribute. The offset is the mean of
+    ``centroid - cell`` over matched pairs, averaged over classes (each class with equal weight),
+    re-estimated ``n_iter`` times on the shifted data. Correlations are computed from sparse
+    products: the query is never densified.
+    """
+    n_q, n_genes = Xq.shape
+    K = centroids.shape[0]
+    C = centroids.astype(np.float64)
+    mu = C.mean(axis=0)  # centre genes on the centroids' mean: correlation-like similarity
+    Cc = C - mu  # (K, G)
+    Cn = Cc / np.maximum(np.linalg.norm(Cc, axis=1, keepdims=True), 1e-12)
+    sq = np.asarray(Xq.multiply(Xq).sum(axis=1)).ravel()  # |x|^2 per cell
+    XCn = np.asarray(Xq @ Cn.T)  # (n_q, K)
+    Xmu = np.asarray(Xq @ mu).ravel()  # (n_q,)
+    m = max(1, int(np.ceil(frac * n_q / K)))
+    offset = np.zeros(n_genes)
+    for _ in range(n_iter):
+        # y = x + offset - mu; cos(y, Cn_k) = (x.Cn_k + (offset-mu).Cn_k) / |y|
+        v = offset - mu
+        dots = XCn + (Cn @ v)[None, :]  # (n_q, K)
+        norms = np.sqrt(np.maximum(sq + 2 * (Xq @ v) + v @ v, 1e-12))
+        sim = dots / norms[:, None]
+        best = sim.argmax(axis=1)
+        shifts = []
+        for k in range(K):  # loop over classes, not cells
+            cand = np.flatnonzero(best == k)
+            if cand.size == 0:
+                continue
+            top = cand[np.argsort(-sim[cand, k])[:m]]
+            cell_mean = np.asarray(Xq[top].mean(axis=0)).ravel()
+            shifts.append(C[k] - cell_mean)
+        if not shifts:
+            break
+        offset = np.mean(shifts, axis=0)
+    return offset.astype(np.float32)
+
+
+def compute_transform(
+    method: str,
+    X: sp.csr_matrix,
+    labels: np.ndarray,
+    domain: np.ndarray,
+    n_domains: int,
+    n_classes: int,
+) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Per-batch ``(scale, offset)`` for ``method``, plus JSON-able details for ``uns``."""
+    if method == "none" or n_domains == 1:
+        scale, offset = identity(n_domains, X.shape[1])
+        return scale, offset, {"method": method, "anchor": None}
+    if method == "standardize":
+        scale, offset = standardize(X, domain, n_domains)
+        return scale, offset, {"method": method, "anchor": None}
+    if method != "centroid":
+        msg = f"Unknown alignment {method!r}."
+        raise ValueError(msg)
+    scale, offset = identity(n_domains, X.shape[1])
+    n_lab = np.bincount(domain[labels >= 0], minlength=n_domains)
+    anchor = int(n_lab.argmax())
+    anchor_rows = np.flatnonzero(domain == anchor)
+    centroids = class_centroids(X[anchor_rows], labels[anchor_rows], n_classes)
+    norms = {}
+    for d in range(n_domains):
+        if d == anchor:
+            continue
+        rows = np.flatnonzero(domain == d)
+        offset[d] = centroid_shift(X[rows], centroids)
+        norms[d] = float(np.linalg.norm(offset[d]))
+    return scale, offset, {"method": method, "anchor": anchor, "shift_norm": norms}

@@ -1,0 +1,184 @@
+"""The one configuration object shared by the Python API, the CLI and saved models."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+MarginMode = Literal["adaptive", "fixed", "zero"]
+AlignMode = Literal["centroid", "standardize", "none"]
+
+#: Scale ``s`` of the L2-normalised head (paper Eq. 3). Defined here once; the head multiplies its
+#: cosine similarities by it and the margin is expressed in cosine units.
+HEAD_SCALE: float = 10.0
+
+
+@dataclass(frozen=True)
+class OrcaConfig:
+    """Every option of an ORCA run.
+
+    Data preparation
+    ----------------
+    n_genes
+        Number of highly variable genes (computed on reference and query together, batch-aware);
+        ``None`` keeps every shared gene.
+    layer
+        Read expression from ``adata.layers[layer]`` instead of ``.X``.
+    batch_key
+        ``obs`` column with batches; used for batch-aware gene selection and alignment. Without it the
+        reference and the query are the two batches (or there is a single batch).
+    unlabeled_category
+        Label values that mark a cell as unlabeled (besides NaN).
+    min_shared_genes
+        Fewer genes shared between reference and query raise an error.
+    target_sum
+        Counts are normalised to this total per cell, then ``log1p``.
+    alignment
+        How query batches are brought onto the reference before training: ``"centroid"`` (default)
+        shifts every non-reference batch by the mean offset between its cells and the reference
+        class centroids they mutually match, which ignores cells of novel types and so is robust to
+        composition differences; ``"standardize"`` z-scores each gene within each batch;
+        ``"none"`` leaves the data as is.
+
+    Model
+    -----
+    hidden_dims
+        Sizes of the two fully connected layers of the backbone; the second is the embedding.
+    dropout
+        Dropout probability after each layer (the second forward pass of the pairwise loss sees a
+        different dropout mask).
+    n_novel
+        Number of novel heads: an int, or ``"auto"`` to estimate the number of novel types from the
+        data (see :func:`orca_sc.estimate_n_novel`).
+
+    Training (paper Eq. 1–6)
+    ------------------------
+    epochs, batch_size, lr, weight_decay
+        Adam with ``lr`` and ``weight_decay``; an epoch is one pass over all cells.
+    min_steps
+        Small data trains for at least this many optimiser steps (epochs are added), so that a
+        500-cell query gets as much training as a large atlas.
+    warmup_epochs
+        Epochs of supervised-only training (labelled cells) before the full objective; anchors the
+        query's known types to their heads before the pairwise term starts forming clusters.
+    eta1, eta2, lam
+        Weights of the pairwise term, the entropy regulariser and the uncertainty margin.
+    margin
+        ``"adaptive"``: margin = ``min(lam * u, max_margin)`` with ``u`` the mean ``1 - max softmax``
+        over unlabelled cells, re-estimated in eval mode before every epoch; ``"fixed"``: the
+        constant ``fixed_margin`` (ORCA-FNM); ``"zero"``: plain cross-entropy (ORCA-ZM).
+    supervised, regularizer
+        Switch the supervised term and the entropy regulariser off for ablations.
+    device
+        ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"mps"``.
+    seed
+        Seeds every random choice; same seed and device give identical labels.
+    progress
+        Show a progress bar on stderr.
+    """
+
+    # data preparation
+    n_genes: int | None = 2000
+    layer: str | None = None
+    batch_key: str | None = None
+    unlabeled_category: tuple[str, ...] = ("Unknown",)
+    min_shared_genes: int = 100
+    target_sum: float = 1e4
+    alignment: AlignMode = "centroid"
+    # model
+    hidden_dims: tuple[int, int] = (512, 128)
+    dropout: float = 0.1
+    n_novel: int | str = "auto"
+    # training
+    epochs: int = 20
+    batch_size: int = 512
+    min_steps: int = 300
+    warmup_epochs: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    eta1: float = 1.0
+    eta2: float = 1.0
+    lam: float = 1.0
+    margin: MarginMode = "adaptive"
+    fixed_margin: float = 0.5
+    max_margin: float = 0.5
+    supervised: bool = True
+    regularizer: bool = True
+    device: str = "auto"
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: Any, expected: str) -> None:
+            msg = f"Invalid {name}={value!r}: expected {expected}."
+            raise ValueError(msg)
+
+        if isinstance(self.unlabeled_category, str):
+            object.__setattr__(self, "unlabeled_category", (self.unlabeled_category,))
+        else:
+            object.__setattr__(self, "unlabeled_category", tuple(self.unlabeled_category))
+        object.__setattr__(self, "hidden_dims", tuple(int(h) for h in self.hidden_dims))
+        if self.n_genes is not None and (not _is_int(self.n_genes) or self.n_genes < 2):
+            bad("n_genes", self.n_genes, "an integer >= 2 or None (all shared genes)")
+        if not (
+            (_is_int(self.n_novel) and self.n_novel >= 0)
+            or (isinstance(self.n_novel, str) and self.n_novel == "auto")
+        ):
+            bad("n_novel", self.n_novel, 'a non-negative integer or "auto"')
+        if len(self.hidden_dims) != 2 or min(self.hidden_dims) < 1:
+            bad("hidden_dims", self.hidden_dims, "two positive layer sizes")
+        if not 0.0 <= self.dropout < 1.0:
+            bad("dropout", self.dropout, "a probability in [0, 1)")
+        for name in ("epochs", "batch_size", "min_shared_genes"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                bad(name, getattr(self, name), "a positive integer")
+        for name in ("min_steps", "warmup_epochs"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                bad(name, getattr(self, name), "a non-negative integer")
+        if self.batch_size < 2:
+            bad("batch_size", self.batch_size, "at least 2 (BatchNorm needs two cells)")
+        for name in ("lr", "target_sum"):
+            if not getattr(self, name) > 0:
+                bad(name, getattr(self, name), "a positive number")
+        for name in ("weight_decay", "eta1", "eta2", "lam", "fixed_margin", "max_margin"):
+            if not getattr(self, name) >= 0:
+                bad(name, getattr(self, name), "a non-negative number")
+        if self.margin not in ("adaptive", "fixed", "zero"):
+            bad("margin", self.margin, '"adaptive", "fixed" or "zero"')
+        if self.alignment not in ("centroid", "standardize", "none"):
+            bad("alignment", self.alignment, '"centroid", "standardize" or "none"')
+        if self.device not in ("auto", "cpu", "cuda", "mps") and not str(self.device).startswith(
+            "cuda:"
+        ):
+            bad("device", self.device, '"auto", "cpu", "cuda", "cuda:N" or "mps"')
+        if not _is_int(self.seed):
+            bad("seed", self.seed, "an integer")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able representation (tuples become lists)."""
+        out = dataclasses.asdict(self)
+        for k, v in out.items():
+            if isinstance(v, tuple):
+                out[k] = list(v)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OrcaConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            msg = f"Unknown configuration keys {sorted(unknown)}; known keys are {sorted(names)}."
+            raise ValueError(msg)
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> OrcaConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(x: Any) -> bool:
+    import numbers
+
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

@@ -1,0 +1,104 @@
+"""Estimating the number of novel cell types from the data (``n_novel="auto"``).
+
+Method: embed all cells (reference and query, after alignment) with PCA, build a kNN graph and
+cluster it with Leiden. A cluster counts as a novel type when it holds at least ``min_size`` cells
+and its fraction of labelled cells is below ``rel_threshold`` times the overall labelled fraction:
+clusters of known types mix labelled and unlabelled cells, clusters of novel types hold (almost)
+only unlabelled ones. The count of such clusters is the estimate.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import scipy.sparse as sp
+
+_MAX_CELLS = 50_000
+_CHUNK = 8192
+
+
+def pca_embedding(
+    X: sp.csr_matrix,
+    domain: np.ndarray,
+    scale: np.ndarray,
+    offset: np.ndarray,
+    n_comps: int = 30,
+    seed: int = 0,
+    rows: np.ndarray | None = None,
+) -> np.ndarray:
+    """PCA of the aligned data, computed chunk by chunk (the full matrix is never densified)."""
+    from sklearn.decomposition import PCA
+
+    rows = np.arange(X.shape[0]) if rows is None else rows
+    rng = np.random.default_rng(seed)
+    fit_rows = rows if rows.size <= 10_000 else rng.choice(rows, 10_000, replace=False)
+    n_comps = int(min(n_comps, fit_rows.size - 1, X.shape[1] - 1))
+    pca = PCA(n_components=n_comps, random_state=seed)
+    pca.fit(_dense(X, domain, scale, offset, fit_rows))
+    out = np.empty((rows.size, n_comps), dtype=np.float32)
+    for start in range(0, rows.size, _CHUNK):
+        r = rows[start : start + _CHUNK]
+        out[start : start + r.size] = pca.transform(_dense(X, domain, scale, offset, r))
+    return out
+
+
+def _dense(X, domain, scale, offset, rows) -> np.ndarray:
+    d = domain[rows]
+    return X[rows].toarray() * scale[d] + offset[d]
+
+
+def estimate_n_novel(
+    X: sp.csr_matrix,
+    labels: np.ndarray,
+    domain: np.ndarray,
+    scale: np.ndarray,
+    offset: np.ndarray,
+    *,
+    resolution: float = 1.0,
+    rel_threshold: float = 0.1,
+    min_size: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """Estimate the number of novel types; returns ``{"n_novel", "n_clusters", "cluster_sizes"}``.
+
+    At most 50,000 cells (a random subset) are clustered.
+    """
+    import anndata as ad
+    import scanpy as sc
+
+    n = X.shape[0]
+    rng = np.random.default_rng(seed)
+    rows = np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
+    emb = pca_embedding(X, domain, scale, offset, seed=seed, rows=rows)
+    lab = labels[rows] >= 0
+    tmp = ad.AnnData(X=sp.csr_matrix((rows.size, 1), dtype=np.float32))
+    tmp.obsm["X_pca"] = emb
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sc.pp.neighbors(tmp, n_neighbors=15, use_rep="X_pca", random_state=seed)
+        sc.tl.leiden(
+            tmp,
+            resolution=resolution,
+            flavor="igraph",
+            n_iterations=2,
+            directed=False,
+            random_state=seed,
+        )
+    clusters = tmp.obs["leiden"].cat.codes.to_numpy()
+    n_unl = int((~lab).sum())
+    if min_size is None:
+        min_size = max(5, int(np.ceil(0.005 * n_unl)))
+    frac_all = lab.mean()
+    sizes = []
+    for c in np.unique(clusters):  # loop over clusters, not cells
+        in_c = clusters == c
+        n_c_unl = int((in_c & ~lab).sum())
+        if n_c_unl >= min_size and lab[in_c].mean() < rel_threshold * frac_all:
+            sizes.append(n_c_unl)
+    return {
+        "n_novel": len(sizes),
+        "n_clusters": int(clusters.max()) + 1,
+        "cluster_sizes": sorted(sizes, reverse=True),
+        "method": f"leiden(resolution={resolution}) on PCA; labelled fraction < {rel_threshold} x overall",
+    }

@@ -1,0 +1,211 @@
+"""The trained ORCA model: network + everything needed to apply it to new cells, saveable."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from . import __version__
+from ._align import centroid_shift, identity, standardize
+from ._config import OrcaConfig
+from ._data import OrcaInputError, check_unique_genes, get_matrix, to_log_normalized
+from ._train import DeviceCSR, infer, resolve_device
+from .module import OrcaNet
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "orca_sc.model/1"
+#: ``predict`` refuses data that has fewer than this fraction of the model's genes.
+MIN_GENE_FRACTION = 0.5
+
+
+@dataclass
+class Prediction:
+    """Model output for a set of cells (numpy only)."""
+
+    probs: np.ndarray  # (n, K) softmax over heads
+    embedding: np.ndarray  # (n, D) L2-normalised
+    head: np.ndarray  # (n,) argmax head
+
+    @property
+    def confidence(self) -> np.ndarray:
+        return self.probs.max(axis=1)
+
+
+class OrcaModel:
+    """A trained ORCA network with its genes, classes, configuration and preprocessing.
+
+    ``head_names`` maps every head to its output label: a seen class name, a novel cluster name
+    (``novel_1`` = largest) or ``None`` for heads that received no cells during training.
+    """
+
+    def __init__(
+        self,
+        net: OrcaNet,
+        config: OrcaConfig,
+        genes: list[str],
+        classes: list[str],
+        head_names: list[str | None],
+        centroids: np.ndarray,
+        history: list[dict] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.net = net
+        self.config = config
+        self.genes = list(genes)
+        self.classes = list(classes)
+        self.head_names = list(head_names)
+        self.centroids = np.asarray(centroids, dtype=np.float32)
+        self.history = history or []
+        self.extra = extra or {}
+
+    # -------------------------------------------------------------------------------- inference
+    def predict_arrays(
+        self,
+        X: sp.csr_matrix,
+        domain: np.ndarray,
+        scale: np.ndarray,
+        offset: np.ndarray,
+        device: str | None = None,
+    ) -> Prediction:
+        dev = resolve_device(device or self.config.device)
+        self.net.to(dev)
+        probs, emb = infer(self.net, DeviceCSR(X, domain, scale, offset, dev))
+        kept = np.array([n is not None for n in self.head_names])
+        # pruned heads never win: a cell goes to its most probable kept head
+        head = np.where(kept[None, :], probs, -1.0).argmax(axis=1)
+        return Prediction(probs, emb, head)
+
+    def labels_for(self, head: np.ndarray) -> np.ndarray:
+        """Output label (class or novel cluster name) of each cell's head."""
+        names = np.array([n if n is not None else "" for n in self.head_names], dtype=object)
+        return names[head]
+
+    def predict(self, adata: Any, *, layer: str | None = None, device: str | None = None):
+        """Apply the model to new cells without retraining.
+
+        Genes are aligned by name; genes of the model missing from ``adata`` are set to zero (an
+        error when fewer than half are present). The batch shift of the new data is corrected the
+        same way as during training (``config.alignment``), against the stored reference
+        centroids. Returns ``(labels, prediction, info)``.
+        """
+        check_unique_genes(adata.var_names, "data to predict")
+        X = get_matrix(adata, layer if layer is not None else self.config.layer, "data to predict")
+        X, scale_kind = to_log_normalized(X, self.config.target_sum)
+        var = adata.var_names.astype(str)
+        idx = var.get_indexer(self.genes)
+        found = idx >= 0
+        if found.mean() < MIN_GENE_FRACTION:
+            missing = [g for g, f in zip(self.genes, found) if not f][:5]
+            msg = (
+                f"Only {int(found.sum())} of the model's {len(self.genes)} genes are in the data "
+                f"(need at least {MIN_GENE_FRACTION:.0%}); missing e.g. {missing}. Use the same gene "
+                "identifiers as the reference the model was trained on."
+            )
+            raise OrcaInputError(msg)
+        if not found.all():
+            logger.warning(
+                "%d of the model's %d genes are missing from the data; they are set to 0.",
+                int((~found).sum()),
+                len(self.genes),
+            )
+        # reorder columns to the model's genes; missing genes become empty columns
+        sel = sp.csr_matrix(
+            (np.ones(found.sum(), dtype=np.float32), (idx[found], np.flatnonzero(found))),
+            shape=(X.shape[1], len(self.genes)),
+        )
+        Xg = (X @ sel).tocsr()
+        domain = np.zeros(Xg.shape[0], dtype=np.int64)
+        scale, offset = self._transform_new(Xg)
+        pred = self.predict_arrays(Xg, domain, scale, offset, device)
+        labels = self.labels_for(pred.head)
+        info = {
+            "input_scale": scale_kind,
+            "n_genes_missing": int((~found).sum()),
+            "alignment": self.config.alignment,
+        }
+        return labels, pred, info
+
+    def _transform_new(self, X: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
+        if self.config.alignment == "standardize":
+            return standardize(X, np.zeros(X.shape[0], dtype=np.int64), 1)
+        scale, offset = identity(1, X.shape[1])
+        if self.config.alignment == "centroid":
+            offset[0] = centroid_shift(X, self.centroids)
+        return scale, offset
+
+    # ------------------------------------------------------------------------------- save/load
+    def save(self, path: str | Path) -> None:
+        """Save as ``state_dict`` + JSON-able metadata (loadable with ``weights_only=True``).
+
+        Written to a temporary file first and renamed, so an interrupted save leaves no partial file.
+        """
+        path = Path(path)
+        meta = {
+            "format": FORMAT,
+            "version": __version__,
+            "config": self.config.to_dict(),
+            "genes": self.genes,
+            "classes": self.classes,
+            "head_names": self.head_names,
+            "n_heads": len(self.head_names),
+            "history": self.history,
+            "extra": self.extra,
+        }
+        payload = {
+            "meta": meta,
+            "state_dict": {k: v.detach().cpu() for k, v in self.net.state_dict().items()},
+            "centroids": torch.as_tensor(self.centroids),
+        }
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            torch.save(payload, tmp)
+            tmp.replace(path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    @classmethod
+    def load(cls, path: str | Path) -> OrcaModel:
+        """Load a model saved by :meth:`save`. Files carrying code (arbitrary pickles) are refused."""
+        path = Path(path)
+        if not path.is_file():
+            msg = f"Model file {str(path)!r} does not exist."
+            raise OrcaInputError(msg)
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
+            msg = (
+                f"Cannot read model file {str(path)!r}: it is not an orca_sc model or it is corrupt "
+                f"({type(e).__name__}). Files that carry code are refused; re-save the model with "
+                "orca_sc."
+            )
+            raise OrcaInputError(msg) from None
+        meta = payload.get("meta") if isinstance(payload, dict) else None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            got = meta.get("format") if isinstance(meta, dict) else None
+            msg = (
+                f"Model file {str(path)!r} has format {got!r}, expected {FORMAT!r}; it was written by "
+                "another program or an incompatible orca_sc version. Retrain the model."
+            )
+            raise OrcaInputError(msg)
+        config = OrcaConfig.from_dict(meta["config"])
+        net = OrcaNet(len(meta["genes"]), meta["n_heads"], config.hidden_dims, config.dropout)
+        net.load_state_dict(payload["state_dict"])
+        net.eval()
+        return cls(
+            net,
+            config,
+            meta["genes"],
+            meta["classes"],
+            meta["head_names"],
+            payload["centroids"].numpy(),
+            meta.get("history"),
+            meta.get("extra"),
+        )

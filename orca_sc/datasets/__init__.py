@@ -1,0 +1,5 @@
+"""Datasets: a realistic single-cell count simulator."""
+
+from ._simulate import simulate
+
+__all__ = ["simulate"]

@@ -1,0 +1,136 @@
+"""Neural-network layers and ORCA's losses. Tensors and sizes only: no AnnData here.
+
+Shapes in comments: ``B`` cells in the mini-batch, ``G`` genes, ``D`` embedding size, ``K`` heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._config import HEAD_SCALE
+
+_EPS = 1e-7
+
+
+class MLPBackbone(nn.Module):
+    """Two fully connected blocks: Linear -> BatchNorm -> ReLU -> Dropout (the paper's single-cell
+    backbone). The output of the second block is the cell embedding."""
+
+    def __init__(self, n_in: int, hidden_dims: tuple[int, int], dropout: float) -> None:
+        super().__init__()
+        h1, h2 = hidden_dims
+        self.net = nn.Sequential(
+            nn.Linear(n_in, h1),
+            nn.BatchNorm1d(h1),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(h1, h2),
+            nn.BatchNorm1d(h2),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, G) -> (B, D)
+        return self.net(x)
+
+
+class NormedLinear(nn.Module):
+    """Cosine classifier: ``s * <z/|z|, W_k/|W_k|>``; outputs are bounded by ``s`` in absolute value.
+
+    Normalising inputs and weights keeps the magnitudes of seen-class weights from growing faster
+    than those of novel heads, so the margin is meaningful (paper §3.2).
+    """
+
+    def __init__(self, n_in: int, n_out: int, scale: float = HEAD_SCALE) -> None:
+        super().__init__()
+        self.scale = scale
+        self.weight = nn.Parameter(torch.empty(n_out, n_in))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, K)
+        return self.scale * F.normalize(z, dim=1) @ F.normalize(self.weight, dim=1).T
+
+
+class OrcaNet(nn.Module):
+    """Backbone + normalised head over ``n_seen + n_novel`` classes."""
+
+    def __init__(
+        self, n_genes: int, n_heads: int, hidden_dims: tuple[int, int], dropout: float
+    ) -> None:
+        super().__init__()
+        self.backbone = MLPBackbone(n_genes, hidden_dims, dropout)
+        self.head = NormedLinear(hidden_dims[1], n_heads)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.backbone(x)  # (B, D)
+        return self.head(z), z  # (B, K) logits, (B, D) features
+
+
+# --------------------------------------------------------------------------------------------
+# losses
+# --------------------------------------------------------------------------------------------
+def margin_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, margin: float, scale: float = HEAD_SCALE
+) -> torch.Tensor:
+    """Supervised term with the uncertainty-adaptive margin (paper Eq. 3).
+
+    ``logits`` are ``s * cos`` from :class:`NormedLinear`. The target logit becomes
+    ``s * (cos + margin)``: a positive ``margin`` makes the true class *easier*, which is the paper's
+    "negative margin" that keeps seen classes from tightening faster than novel ones. ``margin = 0``
+    is plain cross-entropy.
+    """
+    if target.numel() == 0:
+        return logits.sum() * 0.0
+    onehot = F.one_hot(target, logits.shape[1]).to(logits.dtype)  # (n, K)
+    return F.cross_entropy(logits + scale * margin * onehot, target)
+
+
+def pairwise_loss(prob: torch.Tensor, prob_pair: torch.Tensor) -> torch.Tensor:
+    """Pairwise objective (paper Eq. 4): ``mean(-log <p_i, p'_j>)`` over the chosen positive pairs."""
+    if prob.shape[0] == 0:
+        return prob.sum() * 0.0
+    sim = (prob * prob_pair).sum(dim=1)  # (B,)
+    return -torch.log(sim.clamp_min(_EPS)).mean()
+
+
+def entropy_regularizer(prob: torch.Tensor) -> torch.Tensor:
+    """Maximum-entropy regulariser (paper Eq. 5 with a uniform prior): ``KL(mean p || uniform)``,
+    i.e. ``log K - H(mean p)``; zero when the heads are used evenly."""
+    mean = prob.mean(dim=0)  # (K,)
+    entropy = -(mean * torch.log(mean.clamp_min(_EPS))).sum()
+    return math.log(prob.shape[1]) - entropy
+
+
+def select_pairs(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Index of each cell's positive partner within the mini-batch (paper §3.3).
+
+    Labelled cells (``labels >= 0``) get a random *other* cell of the same class in the batch (itself
+    when it is its class's only cell in the batch). Unlabelled cells get their nearest neighbour by
+    cosine similarity among all other cells of the batch. Fully vectorised: ``O(B^2)`` on the batch.
+    """
+    n = features.shape[0]
+    device = features.device
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    # unlabelled: cosine nearest neighbour, self excluded
+    f = F.normalize(features.detach(), dim=1)
+    sim = f @ f.T  # (B, B)
+    sim = sim.masked_fill(eye, -math.inf)
+    nn_idx = sim.argmax(dim=1)
+    # labelled: random same-class partner, via argmax of random scores over allowed partners
+    lab = labels >= 0
+    same = (labels[:, None] == labels[None, :]) & lab[:, None] & lab[None, :] & ~eye
+    scores = torch.rand((n, n), generator=generator, device="cpu").to(device)
+    scores = scores.masked_fill(~same, -1.0)
+    partner = scores.argmax(dim=1)
+    has_partner = same.any(dim=1)
+    self_idx = torch.arange(n, device=device)
+    partner = torch.where(has_partner, partner, self_idx)
+    return torch.where(lab, partner, nn_idx) if n > 1 else self_idx

@@ -1,0 +1,5 @@
+"""Tools: ``annotate``."""
+
+from ._annotate import annotate
+
+__all__ = ["annotate"]

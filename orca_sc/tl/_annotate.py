@@ -1,0 +1,219 @@
+"""``orca_sc.tl.annotate``: open-world annotation of an AnnData (scanpy style)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .. import __version__
+from .._align import class_centroids, compute_transform
+from .._config import OrcaConfig
+from .._data import prepare
+from .._estimate import estimate_n_novel
+from .._model import OrcaModel
+from .._train import train
+
+logger = logging.getLogger(__name__)
+
+
+def annotate(
+    adata: Any,
+    reference: Any | None = None,
+    *,
+    labels_key: str,
+    n_novel: int | str = "auto",
+    n_genes: int | None = 2000,
+    layer: str | None = None,
+    batch_key: str | None = None,
+    unlabeled_category: str | tuple[str, ...] = ("Unknown",),
+    key_added: str = "orca",
+    copy: bool = False,
+    return_model: bool = False,
+    config: OrcaConfig | None = None,
+    **kwargs: Any,
+):
+    """Assign every cell to a known cell type or to a newly discovered novel cluster (ORCA).
+
+    Trains one model on labelled and unlabelled cells together (Cao, Brbić & Leskovec, ICLR 2022)
+    and annotates the unlabelled ones. Two ways to call it:
+
+    * ``annotate(query, reference, labels_key=...)``: the reference's ``obs[labels_key]`` holds the
+      known types, every query cell is annotated;
+    * ``annotate(adata, labels_key=...)``: cells whose label is NaN or one of
+      ``unlabeled_category`` are the query, the others the reference.
+
+    Parameters
+    ----------
+    adata
+        Cells to annotate (raw counts or log-normalised values in ``.X`` or ``layer``). Modified in
+        place unless ``copy=True``.
+    reference
+        Labelled reference AnnData; genes are matched by name.
+    labels_key
+        ``obs`` column with the cell types.
+    n_novel
+        Expected number of novel types, or ``"auto"`` to estimate it from the data. Novel heads that
+        receive no cells are dropped from the output.
+    n_genes
+        Number of highly variable genes to train on (``None``: all shared genes).
+    layer
+        Use ``layers[layer]`` instead of ``.X`` (in both AnnData objects).
+    batch_key
+        ``obs`` column with batches, for batch-aware gene selection and alignment.
+    unlabeled_category
+        Label values that mean "unlabelled".
+    key_added
+        Prefix of the fields written (see Returns).
+    copy
+        Return an annotated copy instead of writing into ``adata``.
+    return_model
+        Also return the trained :class:`orca_sc.OrcaModel` (to predict new data, or save it).
+    config
+        A full :class:`orca_sc.OrcaConfig`; the keyword arguments above and any other
+        ``OrcaConfig`` field given in ``**kwargs`` (``epochs``, ``seed``, ``device``, ...) override it.
+
+    Returns
+    -------
+    ``adata`` if ``copy`` (with the model: ``(adata, model)`` if ``return_model``), else ``None``
+    or the model. Writes to ``adata``:
+
+    ``obs['{key_added}_label']``
+        Categorical, every cell: a reference cell type or a novel cluster ``novel_1``, ``novel_2``,
+        ... (numbered by size, largest first).
+    ``obs['{key_added}_novel']``
+        Categorical: the novel cluster for cells in novel clusters, NaN for cells of known types.
+    ``obs['{key_added}_confidence']``
+        Maximum softmax probability (0-1).
+    ``obsm['X_{key_added}']``
+        The L2-normalised cell embedding of the backbone.
+    ``uns['{key_added}']``
+        ``params`` (the configuration), ``seen_classes``, ``novel_cluster_sizes``, ``n_novel``
+        (requested / estimated / heads used / found), ``input_scale`` (detected per input),
+        ``alignment``, ``history`` (per-epoch losses, uncertainty, margin), ``training``
+        (epochs, steps, seconds, device), ``seed`` and ``version``.
+    """
+    fields = {
+        "n_novel": n_novel,
+        "n_genes": n_genes,
+        "layer": layer,
+        "batch_key": batch_key,
+        "unlabeled_category": unlabeled_category,
+        **kwargs,
+    }
+    base = config if config is not None else OrcaConfig()
+    if config is not None:  # explicit keywords win only where they differ from the defaults
+        defaults = OrcaConfig()
+        fields = {
+            k: v
+            for k, v in fields.items()
+            if k in kwargs or v != getattr(defaults, k)
+        }
+    cfg = base.replace(**fields)
+    adata = adata.copy() if copy else adata
+
+    data = prepare(adata, reference, labels_key, cfg)
+    n_seen = len(data.classes)
+    scale, offset, align_info = compute_transform(
+        cfg.alignment, data.X, data.labels, data.domain, len(data.domain_names), n_seen
+    )
+    estimate: dict[str, Any] = {}
+    if cfg.n_novel == "auto":
+        estimate = estimate_n_novel(
+            data.X, data.labels, data.domain, scale, offset, seed=cfg.seed
+        )
+        n_novel_heads = estimate["n_novel"]
+        logger.info("Estimated %d novel types.", n_novel_heads)
+    else:
+        n_novel_heads = int(cfg.n_novel)
+    result = train(
+        data.X, data.labels, data.domain, scale, offset, n_seen + n_novel_heads, cfg
+    )
+
+    anchor = align_info.get("anchor")
+    anchor_rows = data.domain == (anchor if anchor is not None else data.domain[data.labeled][0])
+    centroids = class_centroids(data.X[anchor_rows], data.labels[anchor_rows], n_seen)
+    model = OrcaModel(
+        result.net,
+        cfg,
+        data.genes,
+        data.classes,
+        list(data.classes) + [f"_head{i}" for i in range(n_novel_heads)],
+        centroids,
+        result.history,
+    )
+    pred = model.predict_arrays(data.X, data.domain, scale, offset)
+    # name novel heads by size among unlabelled cells; heads with no cells are pruned
+    unl = ~data.labeled
+    counts = np.bincount(pred.head[unl], minlength=n_seen + n_novel_heads)[n_seen:]
+    order = [h for h in np.argsort(-counts, kind="stable") if counts[h] > 0]
+    head_names: list[str | None] = list(data.classes) + [None] * n_novel_heads
+    for rank, h in enumerate(order):
+        head_names[n_seen + h] = f"novel_{rank + 1}"
+    model.head_names = head_names
+    pred = model.predict_arrays(data.X, data.domain, scale, offset)
+    labels_all = model.labels_for(pred.head)
+    novel_sizes = {
+        head_names[n_seen + h]: int(counts[h]) for h in order
+    }
+    model.extra = {"alignment": _jsonable(align_info), "estimate": _jsonable(estimate)}
+
+    rows = data.output_rows
+    out_labels = labels_all[rows]
+    novel_names = [f"novel_{i + 1}" for i in range(len(order))]
+    categories = [c for c in data.classes if c in set(out_labels)] + [
+        n for n in novel_names if n in set(out_labels)
+    ]
+    adata.obs[f"{key_added}_label"] = pd.Categorical(out_labels, categories=categories)
+    is_novel = np.isin(out_labels, novel_names)
+    adata.obs[f"{key_added}_novel"] = pd.Categorical(
+        np.where(is_novel, out_labels, None),
+        categories=[n for n in novel_names if n in set(out_labels)],
+    )
+    adata.obs[f"{key_added}_confidence"] = pred.confidence[rows].astype(np.float32)
+    adata.obsm[f"X_{key_added}"] = pred.embedding[rows]
+    adata.uns[key_added] = _jsonable(
+        {
+            "params": {"labels_key": labels_key, **cfg.to_dict()},
+            "mode": "single" if reference is None else "reference",
+            "seen_classes": list(data.classes),
+            "novel_cluster_sizes": novel_sizes,
+            "n_novel": {
+                "requested": str(cfg.n_novel),
+                "estimated": estimate.get("n_novel", -1),
+                "heads": n_novel_heads,
+                "found": len(order),
+            },
+            "estimate": estimate,
+            "input_scale": data.input_scale,
+            "alignment": {**align_info, "batches": data.domain_names},
+            "data": data.info,
+            "history": {
+                k: np.array([h[k] for h in result.history]) for k in result.history[0]
+            },
+            "training": {
+                "epochs": result.n_epochs,
+                "steps": result.n_steps,
+                "seconds": result.seconds,
+                "device": result.device,
+            },
+            "seed": cfg.seed,
+            "version": __version__,
+        }
+    )
+    if copy:
+        return (adata, model) if return_model else adata
+    return model if return_model else None
+
+
+def _jsonable(obj: Any) -> Any:
+    """Make ``obj`` storable in ``uns`` and JSON: no None, tuples as lists, numpy scalars as Python."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj if v is not None]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
