@@ -48,35 +48,28 @@ def _dense(X, domain, scale, offset, rows) -> np.ndarray:
     return X[rows].toarray() * scale[d] + offset[d]
 
 
-def estimate_n_novel(
-    X: sp.csr_matrix,
-    labels: np.ndarray,
-    domain: np.ndarray,
-    scale: np.ndarray,
-    offset: np.ndarray,
+def novel_clusters(
+    emb: np.ndarray,
+    labeled: np.ndarray,
     *,
     resolution: float = 1.0,
     rel_threshold: float = 0.1,
     min_size: int | None = None,
     seed: int = 0,
-) -> dict:
-    """Estimate the number of novel types; returns ``{"n_novel", "n_clusters", "cluster_sizes"}``.
+) -> tuple[np.ndarray, list[int]]:
+    """Leiden clusters of ``emb`` that look like novel types.
 
-    At most 50,000 cells (a random subset) are clustered.
+    Returns ``(assign, sizes)``: ``assign[i]`` is the novel-cluster index of cell ``i`` (``-1`` for
+    cells outside novel clusters), novel clusters ordered by size (largest first).
     """
     import anndata as ad
     import scanpy as sc
 
-    n = X.shape[0]
-    rng = np.random.default_rng(seed)
-    rows = np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
-    emb = pca_embedding(X, domain, scale, offset, seed=seed, rows=rows)
-    lab = labels[rows] >= 0
-    tmp = ad.AnnData(X=sp.csr_matrix((rows.size, 1), dtype=np.float32))
-    tmp.obsm["X_pca"] = emb
+    tmp = ad.AnnData(X=sp.csr_matrix((emb.shape[0], 1), dtype=np.float32))
+    tmp.obsm["X_emb"] = emb
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sc.pp.neighbors(tmp, n_neighbors=15, use_rep="X_pca", random_state=seed)
+        sc.pp.neighbors(tmp, n_neighbors=15, use_rep="X_emb", random_state=seed)
         sc.tl.leiden(
             tmp,
             resolution=resolution,
@@ -86,19 +79,38 @@ def estimate_n_novel(
             random_state=seed,
         )
     clusters = tmp.obs["leiden"].cat.codes.to_numpy()
-    n_unl = int((~lab).sum())
+    n_unl = int((~labeled).sum())
     if min_size is None:
         min_size = max(5, int(np.ceil(0.005 * n_unl)))
-    frac_all = lab.mean()
-    sizes = []
+    frac_all = labeled.mean()
+    found = []
     for c in np.unique(clusters):  # loop over clusters, not cells
         in_c = clusters == c
-        n_c_unl = int((in_c & ~lab).sum())
-        if n_c_unl >= min_size and lab[in_c].mean() < rel_threshold * frac_all:
-            sizes.append(n_c_unl)
-    return {
-        "n_novel": len(sizes),
-        "n_clusters": int(clusters.max()) + 1,
-        "cluster_sizes": sorted(sizes, reverse=True),
-        "method": f"leiden(resolution={resolution}) on PCA; labelled fraction < {rel_threshold} x overall",
-    }
+        n_c_unl = int((in_c & ~labeled).sum())
+        if n_c_unl >= min_size and labeled[in_c].mean() < rel_threshold * frac_all:
+            found.append((n_c_unl, c))
+    found.sort(key=lambda t: -t[0])
+    assign = np.full(emb.shape[0], -1, dtype=np.int64)
+    for rank, (_, c) in enumerate(found):
+        assign[(clusters == c) & ~labeled] = rank
+    return assign, [n for n, _ in found]
+
+
+def estimate_n_novel(
+    X: sp.csr_matrix,
+    labels: np.ndarray,
+    domain: np.ndarray,
+    scale: np.ndarray,
+    offset: np.ndarray,
+    *,
+    seed: int = 0,
+    **kwargs,
+) -> dict:
+    """Estimate the number of novel types from the (aligned) expression: PCA, then
+    :func:`novel_clusters`. At most 50,000 cells (a random subset) are clustered."""
+    n = X.shape[0]
+    rng = np.random.default_rng(seed)
+    rows = np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
+    emb = pca_embedding(X, domain, scale, offset, seed=seed, rows=rows)
+    _, sizes = novel_clusters(emb, labels[rows] >= 0, seed=seed, **kwargs)
+    return {"n_novel": len(sizes), "cluster_sizes": sizes, "space": "pca"}

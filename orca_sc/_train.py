@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +101,7 @@ class TrainResult:
     n_steps: int
     seconds: float
     device: str
+    novel_info: dict
 
 
 def _schedule(n_cells: int, config: OrcaConfig) -> tuple[int, int, int]:
@@ -131,18 +133,25 @@ def train(
     offset: np.ndarray,
     n_heads: int,
     config: OrcaConfig,
+    novel_init: Callable[[OrcaNet, DeviceCSR], tuple[torch.Tensor, dict]] | None = None,
 ) -> TrainResult:
-    """Fit an :class:`OrcaNet` with the ORCA objective. Same seed and device give the same net."""
+    """Fit an :class:`OrcaNet` with the ORCA objective. Same seed and device give the same net.
+
+    With ``novel_init`` and warm-up epochs, the net starts with ``n_heads`` (the seen classes) and
+    ``novel_init(net, data)`` is called after the warm-up: it returns the initial weights of the
+    novel heads ``(n_novel, D)`` (e.g. prototypes of candidate novel clusters in the warmed-up
+    embedding), which are appended to the head before the full objective starts.
+    """
     device = resolve_device(config.device)
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.seed)
-        result = _train(X, labels, domain, scale, offset, n_heads, config, device)
+        result = _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _train(X, labels, domain, scale, offset, n_heads, config, device) -> TrainResult:
+def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init) -> TrainResult:
     from tqdm.auto import tqdm
 
     rng = np.random.default_rng(config.seed)
@@ -161,8 +170,13 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device) -> TrainRe
         range(n_epochs), desc="ORCA", unit="epoch", disable=not config.progress, leave=False
     )
     n_steps = 0
+    novel_info: dict = {}
     for epoch in bar:
         t_epoch = time.perf_counter()
+        if novel_init is not None and warmup > 0 and epoch == warmup:
+            protos, novel_info = novel_init(net, data)
+            net.head.add_heads(protos.to(device))
+            opt = torch.optim.Adam(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         u = mean_uncertainty(net, data, unl_t)
         if config.margin == "adaptive":
             margin = min(config.lam * u, config.max_margin)
@@ -215,7 +229,7 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device) -> TrainRe
         bar.set_postfix(loss=f"{rec['loss']:.3f}", u=f"{u:.3f}")
     bar.close()
     net.eval()
-    return TrainResult(net, history, n_epochs, n_steps, 0.0, str(device))
+    return TrainResult(net, history, n_epochs, n_steps, 0.0, str(device), novel_info)
 
 
 def _losses(net, x, y, margin, full, config, gen):
@@ -239,11 +253,16 @@ def _losses(net, x, y, margin, full, config, gen):
 
 
 @torch.no_grad()
-def infer(net: OrcaNet, data: DeviceCSR) -> tuple[np.ndarray, np.ndarray]:
+def infer(
+    net: OrcaNet, data: DeviceCSR, rows: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Softmax probabilities ``(n, K)`` and L2-normalised embeddings ``(n, D)`` in eval mode."""
     net.eval()
     probs, embs = [], []
-    all_rows = torch.arange(data.shape[0], device=data.device)
+    if rows is None:
+        all_rows = torch.arange(data.shape[0], device=data.device)
+    else:
+        all_rows = torch.as_tensor(rows, device=data.device)
     for chunk in torch.split(all_rows, _INFER_CHUNK):
         logits, z = net(data.rows(chunk))
         probs.append(F.softmax(logits, dim=1).cpu())

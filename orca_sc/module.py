@@ -51,6 +51,12 @@ class NormedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_out, n_in))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
+    @torch.no_grad()
+    def add_heads(self, weights: torch.Tensor) -> None:
+        """Append heads with the given initial weights ``(n_new, D)``."""
+        new = torch.cat([self.weight.data, weights.to(self.weight)], dim=0)
+        self.weight = nn.Parameter(new)
+
     def forward(self, z: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, K)
         return self.scale * F.normalize(z, dim=1) @ F.normalize(self.weight, dim=1).T
 

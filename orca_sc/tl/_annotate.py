@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
 from .. import __version__
 from .._align import class_centroids, compute_transform
 from .._config import OrcaConfig
 from .._data import prepare
-from .._estimate import estimate_n_novel
+from .._estimate import _MAX_CELLS, estimate_n_novel, novel_clusters
 from .._model import OrcaModel
-from .._train import train
+from .._train import infer, train
 
 logger = logging.getLogger(__name__)
 
@@ -120,17 +122,21 @@ def annotate(
         cfg.alignment, data.X, data.labels, data.domain, len(data.domain_names), n_seen
     )
     estimate: dict[str, Any] = {}
-    if cfg.n_novel == "auto":
-        estimate = estimate_n_novel(
-            data.X, data.labels, data.domain, scale, offset, seed=cfg.seed
-        )
-        n_novel_heads = estimate["n_novel"]
-        logger.info("Estimated %d novel types.", n_novel_heads)
+    hook = None
+    if cfg.warmup_epochs > 0:
+        # novel heads are added after the supervised warm-up, initialised on candidate clusters
+        n_heads0 = n_seen
+        hook = partial(_init_novel_heads, labels=data.labels, n_novel=cfg.n_novel, seed=cfg.seed)
     else:
-        n_novel_heads = int(cfg.n_novel)
-    result = train(
-        data.X, data.labels, data.domain, scale, offset, n_seen + n_novel_heads, cfg
-    )
+        if cfg.n_novel == "auto":
+            estimate = estimate_n_novel(
+                data.X, data.labels, data.domain, scale, offset, seed=cfg.seed
+            )
+        n_heads0 = n_seen + (estimate["n_novel"] if cfg.n_novel == "auto" else int(cfg.n_novel))
+    result = train(data.X, data.labels, data.domain, scale, offset, n_heads0, cfg, hook)
+    estimate = estimate or result.novel_info
+    n_novel_heads = result.net.head.weight.shape[0] - n_seen
+    logger.info("Novel heads: %d (estimated novel types: %s).", n_novel_heads, estimate.get("n_novel"))
 
     anchor = align_info.get("anchor")
     anchor_rows = data.domain == (anchor if anchor is not None else data.domain[data.labeled][0])
@@ -206,6 +212,22 @@ def annotate(
     if copy:
         return (adata, model) if return_model else adata
     return model if return_model else None
+
+
+def _init_novel_heads(net, data, *, labels, n_novel, seed):
+    """Prototypes of candidate novel clusters in the warmed-up embedding (see :func:`train`)."""
+    n = labels.shape[0]
+    rng = np.random.default_rng(seed)
+    rows = np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
+    _, emb = infer(net, data, rows)
+    assign, sizes = novel_clusters(emb, labels[rows] >= 0, seed=seed)
+    k = len(sizes) if n_novel == "auto" else int(n_novel)
+    protos = rng.normal(size=(k, emb.shape[1]))
+    for j in range(min(k, len(sizes))):
+        protos[j] = emb[assign == j].mean(axis=0)
+    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    info = {"n_novel": len(sizes), "cluster_sizes": sizes, "space": "warm-up embedding"}
+    return torch.as_tensor(protos, dtype=torch.float32), info
 
 
 def _jsonable(obj: Any) -> Any:
