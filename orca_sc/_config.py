@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 MarginMode = Literal["adaptive", "fixed", "zero"]
 AlignMode = Literal["centroid", "standardize", "none"]
+PriorMode = Literal["data", "uniform"]
 
 #: Scale ``s`` of the L2-normalised head (paper Eq. 3). Defined here once; the head multiplies its
 #: cosine similarities by it and the margin is expressed in cosine units.
@@ -70,6 +71,12 @@ class OrcaConfig:
         constant ``fixed_margin`` (ORCA-FNM); ``"zero"``: plain cross-entropy (ORCA-ZM).
     supervised, regularizer
         Switch the supervised term and the entropy regulariser off for ablations.
+    prior
+        Target of the regulariser (paper Eq. 5, ``KL(mean prediction || prior)``): ``"uniform"``
+        is the paper's maximum-entropy choice (default); ``"data"`` gives each seen head its
+        labelled-class frequency and each novel head the size of its candidate cluster, so that
+        a large query type is not split to fill the head of a rare known type. Used when novel
+        heads are initialised after a warm-up; otherwise uniform.
     device
         ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"mps"``.
     seed
@@ -94,7 +101,7 @@ class OrcaConfig:
     epochs: int = 20
     batch_size: int = 512
     min_steps: int = 300
-    warmup_epochs: int = 0
+    warmup_epochs: int = 5
     lr: float = 1e-3
     weight_decay: float = 0.0
     eta1: float = 1.0
@@ -105,6 +112,7 @@ class OrcaConfig:
     max_margin: float = 0.5
     supervised: bool = True
     regularizer: bool = True
+    prior: PriorMode = "uniform"
     device: str = "auto"
     seed: int = 0
     progress: bool = True
@@ -146,6 +154,8 @@ class OrcaConfig:
                 bad(name, getattr(self, name), "a non-negative number")
         if self.margin not in ("adaptive", "fixed", "zero"):
             bad("margin", self.margin, '"adaptive", "fixed" or "zero"')
+        if self.prior not in ("data", "uniform"):
+            bad("prior", self.prior, '"data" or "uniform"')
         if self.alignment not in ("centroid", "standardize", "none"):
             bad("alignment", self.alignment, '"centroid", "standardize" or "none"')
         if self.device not in ("auto", "cpu", "cuda", "mps") and not str(self.device).startswith(

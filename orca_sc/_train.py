@@ -171,11 +171,14 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
     )
     n_steps = 0
     novel_info: dict = {}
+    prior = None  # uniform
     for epoch in bar:
         t_epoch = time.perf_counter()
         if novel_init is not None and warmup > 0 and epoch == warmup:
             protos, novel_info = novel_init(net, data)
             net.head.add_heads(protos.to(device))
+            if config.prior == "data" and "prior" in novel_info:
+                prior = torch.as_tensor(novel_info["prior"], dtype=torch.float32, device=device)
             opt = torch.optim.Adam(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         u = mean_uncertainty(net, data, unl_t)
         if config.margin == "adaptive":
@@ -199,7 +202,7 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
             idx = torch.as_tensor(idx_np, device=device)
             x = data.rows(idx)  # (B, G)
             y = y_all[idx]  # (B,)
-            parts = _losses(net, x, y, margin, full, config, pair_gen)
+            parts = _losses(net, x, y, margin, full, config, pair_gen, prior)
             loss = parts[0]
             if not torch.isfinite(loss):
                 msg = (
@@ -232,7 +235,7 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
     return TrainResult(net, history, n_epochs, n_steps, 0.0, str(device), novel_info)
 
 
-def _losses(net, x, y, margin, full, config, gen):
+def _losses(net, x, y, margin, full, config, gen, prior):
     """Eq. 1: L = L_S + eta1 L_P + eta2 R, each term switchable."""
     logits, feat = net(x)  # (B, K), (B, D)
     lab = y >= 0
@@ -247,7 +250,7 @@ def _losses(net, x, y, margin, full, config, gen):
     prob2 = F.softmax(logits2, dim=1)
     pair_idx = select_pairs(feat, y, gen)
     pair = pairwise_loss(prob, prob2[pair_idx])
-    reg = entropy_regularizer(prob) if config.regularizer else zero
+    reg = entropy_regularizer(prob, prior) if config.regularizer else zero
     loss = sup + config.eta1 * pair + config.eta2 * reg
     return loss, sup, pair, reg
 

@@ -103,12 +103,17 @@ def pairwise_loss(prob: torch.Tensor, prob_pair: torch.Tensor) -> torch.Tensor:
     return -torch.log(sim.clamp_min(_EPS)).mean()
 
 
-def entropy_regularizer(prob: torch.Tensor) -> torch.Tensor:
-    """Maximum-entropy regulariser (paper Eq. 5 with a uniform prior): ``KL(mean p || uniform)``,
-    i.e. ``log K - H(mean p)``; zero when the heads are used evenly."""
+def entropy_regularizer(prob: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+    """Regulariser of the mean prediction (paper Eq. 5): ``KL(mean p || prior)``.
+
+    With the uniform prior (``None``) this is ``log K - H(mean p)``, the paper's maximum-entropy
+    regulariser; zero when the heads are used as the prior says.
+    """
     mean = prob.mean(dim=0)  # (K,)
-    entropy = -(mean * torch.log(mean.clamp_min(_EPS))).sum()
-    return math.log(prob.shape[1]) - entropy
+    if prior is None:
+        entropy = -(mean * torch.log(mean.clamp_min(_EPS))).sum()
+        return math.log(prob.shape[1]) - entropy
+    return (mean * (torch.log(mean.clamp_min(_EPS)) - torch.log(prior.clamp_min(_EPS)))).sum()
 
 
 def select_pairs(

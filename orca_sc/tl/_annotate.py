@@ -126,7 +126,13 @@ def annotate(
     if cfg.warmup_epochs > 0:
         # novel heads are added after the supervised warm-up, initialised on candidate clusters
         n_heads0 = n_seen
-        hook = partial(_init_novel_heads, labels=data.labels, n_novel=cfg.n_novel, seed=cfg.seed)
+        hook = partial(
+            _init_novel_heads,
+            labels=data.labels,
+            rows=_subsample(data.n_cells, cfg.seed),
+            n_novel=cfg.n_novel,
+            seed=cfg.seed,
+        )
     else:
         if cfg.n_novel == "auto":
             estimate = estimate_n_novel(
@@ -214,11 +220,19 @@ def annotate(
     return model if return_model else None
 
 
-def _init_novel_heads(net, data, *, labels, n_novel, seed):
-    """Prototypes of candidate novel clusters in the warmed-up embedding (see :func:`train`)."""
+def _subsample(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
+
+
+def _init_novel_heads(net, data, *, labels, rows, n_novel, seed):
+    """Prototypes of candidate novel clusters (see :func:`orca_sc._train.train`).
+
+    Candidates are Leiden clusters (:func:`novel_clusters`) of the warmed-up embedding, where
+    known types of reference and query coincide after the supervised warm-up.
+    """
     n = labels.shape[0]
     rng = np.random.default_rng(seed)
-    rows = np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
     _, emb = infer(net, data, rows)
     assign, sizes = novel_clusters(emb, labels[rows] >= 0, seed=seed)
     k = len(sizes) if n_novel == "auto" else int(n_novel)
@@ -226,7 +240,23 @@ def _init_novel_heads(net, data, *, labels, n_novel, seed):
     for j in range(min(k, len(sizes))):
         protos[j] = emb[assign == j].mean(axis=0)
     protos /= np.linalg.norm(protos, axis=1, keepdims=True)
-    info = {"n_novel": len(sizes), "cluster_sizes": sizes, "space": "warm-up embedding"}
+    # prior of the regulariser: seen heads by labelled frequency, novel heads by cluster size
+    lab = labels[labels >= 0]
+    n_unl = int((labels < 0).sum())
+    n_cand = float(sum(sizes[:k])) * n / rows.size  # cells of candidate clusters, full scale
+    freq = np.bincount(lab, minlength=int(lab.max()) + 1) / lab.size
+    novel_sizes = np.array(sizes[:k] + [np.mean(sizes) if sizes else 1.0] * (k - len(sizes[:k])))
+    novel_mass = (n_cand if sizes else n_unl / (freq.size + k) * k) / n
+    seen_mass = 1.0 - novel_mass
+    prior = np.concatenate(
+        [seen_mass * freq, novel_mass * novel_sizes / max(novel_sizes.sum(), 1e-12)]
+    ) if k else freq
+    info = {
+        "n_novel": len(sizes),
+        "cluster_sizes": sizes,
+        "space": "warm-up embedding",
+        "prior": prior.tolist(),
+    }
     return torch.as_tensor(protos, dtype=torch.float32), info
 
 

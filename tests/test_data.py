@@ -1,0 +1,179 @@
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+
+import orca_sc
+from orca_sc import OrcaConfig, OrcaInputError
+from orca_sc._align import centroid_shift, class_centroids
+from orca_sc._data import detect_scale, log_normalize, prepare
+
+
+def _adata(X, genes=None, labels=None):
+    n, g = X.shape
+    a = ad.AnnData(X=sp.csr_matrix(X, dtype=np.float32))
+    a.var_names = genes or [f"g{i}" for i in range(g)]
+    a.obs_names = [f"c{i}" for i in range(n)]
+    if labels is not None:
+        a.obs["cell_type"] = labels
+    return a
+
+
+def test_detect_scale_counts_vs_log():
+    counts = sp.csr_matrix(np.array([[0, 3, 1], [2, 0, 5]], dtype=np.float32))
+    assert detect_scale(counts) == "counts"
+    assert detect_scale(log_normalize(counts, 1e4)) == "log-normalized"
+
+
+def test_log_normalize_hand_computed_and_sparse():
+    X = sp.csr_matrix(np.array([[1, 3, 0], [0, 0, 2]], dtype=np.float32))
+    Y = log_normalize(X, 1e4)
+    assert sp.issparse(Y) and Y.nnz == X.nnz
+    np.testing.assert_allclose(
+        Y.toarray(), np.log1p([[2500, 7500, 0], [0, 0, 10000]]), rtol=1e-6
+    )
+    assert X[0, 1] == 3  # input untouched
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [(-1.0, "negative values"), (np.nan, "NaN or infinite"), (np.inf, "NaN or infinite")],
+)
+def test_bad_values_raise(value, match):
+    X = np.ones((20, 150), dtype=np.float32)
+    X[3, 4] = value
+    a = _adata(X, labels=["a"] * 10 + [None] * 10)
+    with pytest.raises(OrcaInputError, match=match):
+        prepare(a, None, "cell_type", OrcaConfig(n_genes=None))
+
+
+def test_unlogged_normalised_values_raise():
+    X = np.full((5, 150), 123.4, dtype=np.float32)
+    with pytest.raises(OrcaInputError, match="not log-transformed"):
+        detect_scale(sp.csr_matrix(X))
+
+
+def test_gene_alignment_intersects_and_reorders():
+    rng = np.random.default_rng(0)
+    genes = [f"g{i}" for i in range(200)]
+    ref = _adata(rng.poisson(1, (30, 200)), genes, ["a"] * 15 + ["b"] * 15)
+    q_genes = genes[::-1][:150] + [f"x{i}" for i in range(20)]  # reversed subset + extras
+    q = _adata(rng.poisson(1, (10, 170)), q_genes)
+    d = prepare(q, ref, "cell_type", OrcaConfig(n_genes=None))
+    assert d.info["n_shared_genes"] == 150
+    assert d.genes == [g for g in genes if g in set(q_genes)]  # reference order
+    # the query's values follow their gene names, not their positions
+    col_q = q.var_names.get_loc("g120")
+    col_d = d.genes.index("g120")
+    expected = np.log1p(1e4 * q.X[:, col_q].toarray().ravel() / q.X.sum(axis=1).A1)
+    np.testing.assert_allclose(d.X[30:, col_d].toarray().ravel(), expected, rtol=1e-5)
+    assert d.input_scale == {"query": "counts", "reference": "counts"}
+    assert (d.labels[:30] >= 0).all() and (d.labels[30:] == -1).all()
+
+
+def test_too_few_shared_genes_names_examples():
+    ref = _adata(np.ones((10, 120)), [f"r{i}" for i in range(120)], ["a"] * 5 + ["b"] * 5)
+    q = _adata(np.ones((5, 120)), [f"q{i}" for i in range(120)])
+    with pytest.raises(OrcaInputError, match=r"Only 0 genes are shared.*'r0'.*'q0'"):
+        prepare(q, ref, "cell_type", OrcaConfig(n_genes=None))
+
+
+def test_low_gene_overlap_warns():
+    genes = [f"g{i}" for i in range(400)]
+    ref = _adata(np.ones((10, 400)), genes, ["a"] * 5 + ["b"] * 5)
+    q = _adata(np.ones((5, 150)), genes[:150])
+    with pytest.warns(UserWarning, match="150 of the reference's 400 genes"):
+        prepare(q, ref, "cell_type", OrcaConfig(n_genes=None))
+
+
+def test_duplicate_genes_raise():
+    a = _adata(np.ones((4, 150)), ["g0"] * 2 + [f"g{i}" for i in range(2, 150)], ["a", "b", None, None])
+    with pytest.raises(OrcaInputError, match="duplicate gene names.*var_names_make_unique"):
+        prepare(a, None, "cell_type", OrcaConfig(n_genes=None))
+
+
+def test_label_errors():
+    X = np.ones((6, 150))
+    with pytest.raises(OrcaInputError, match="labels_key 'nope'.*columns: 'cell_type'"):
+        prepare(_adata(X, labels=["a"] * 6), None, "nope", OrcaConfig(n_genes=None))
+    with pytest.raises(OrcaInputError, match="at least 2 known cell types"):
+        prepare(_adata(X, labels=["a"] * 3 + [None] * 3), None, "cell_type", OrcaConfig(n_genes=None))
+    with pytest.raises(OrcaInputError, match="no unlabelled cells"):
+        prepare(_adata(X, labels=["a", "b"] * 3), None, "cell_type", OrcaConfig(n_genes=None))
+    with pytest.raises(OrcaInputError, match="no cells"):
+        prepare(_adata(np.ones((0, 150)), labels=[]), None, "cell_type", OrcaConfig(n_genes=None))
+
+
+def test_unlabeled_category_and_single_cell_class_warning():
+    labels = ["a", "a", "b", "Unknown", "unk", np.nan]
+    a = _adata(np.ones((6, 150)), labels=labels)
+    with pytest.warns(UserWarning, match="single cell"):
+        d = prepare(a, None, "cell_type", OrcaConfig(n_genes=None, unlabeled_category=("Unknown", "unk")))
+    assert d.classes == ["a", "b"]
+    assert d.labels.tolist() == [0, 0, 1, -1, -1, -1]
+
+
+def test_layer_missing_and_used():
+    a = _adata(np.ones((6, 150)), labels=["a", "b", "a", "b", None, None])
+    with pytest.raises(OrcaInputError, match="Layer 'counts' not found"):
+        prepare(a, None, "cell_type", OrcaConfig(n_genes=None, layer="counts"))
+    a.layers["counts"] = a.X * 2
+    d = prepare(a, None, "cell_type", OrcaConfig(n_genes=None, layer="counts"))
+    assert d.input_scale["AnnData"] == "counts"
+
+
+def test_hvg_selection_is_batch_aware_and_sparse():
+    a = orca_sc.datasets.simulate(400, 500, 4, n_batches=2, seed=1)
+    a.obs["lab"] = a.obs.cell_type.astype(object).where(a.obs.batch == "batch_0", None)
+    d = prepare(a, None, "lab", OrcaConfig(n_genes=100, batch_key="batch"))
+    assert d.X.shape == (400, 100) and sp.isspmatrix_csr(d.X) and d.X.dtype == np.float32
+    assert d.domain_names == ["batch_0", "batch_1"]
+
+
+def test_centroid_shift_recovers_offset_despite_novel_cells():
+    rng = np.random.default_rng(0)
+    g = 50
+    centroids = rng.gamma(2.0, 1.0, (3, g)).astype(np.float32)
+    true_shift = rng.normal(0, 0.3, g)
+    known = np.repeat(centroids, 100, axis=0) - true_shift + rng.normal(0, 0.2, (300, g))
+    novel = rng.gamma(2.0, 1.0, (1, g)) * 3 + rng.normal(0, 0.2, (150, g))  # type absent from ref
+    Xq = sp.csr_matrix(np.vstack([known, novel]).astype(np.float32))
+    est = centroid_shift(Xq, centroids)
+    assert np.corrcoef(est, true_shift)[0, 1] > 0.9
+    assert np.abs(est - true_shift).mean() < 0.1
+
+
+def test_class_centroids():
+    X = sp.csr_matrix(np.array([[1.0, 0], [3.0, 2], [0, 4.0]]))
+    c = class_centroids(X, np.array([0, 0, 1]), 2)
+    np.testing.assert_allclose(c, [[2.0, 1.0], [0.0, 4.0]])
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="n_novel"):
+        OrcaConfig(n_novel=-1)
+    with pytest.raises(ValueError, match="n_novel"):
+        OrcaConfig(n_novel="many")
+    with pytest.raises(ValueError, match="margin"):
+        OrcaConfig(margin="big")
+    with pytest.raises(ValueError, match="batch_size"):
+        OrcaConfig(batch_size=1)
+    cfg = OrcaConfig(unlabeled_category="NA", hidden_dims=[64, 32])
+    assert cfg.unlabeled_category == ("NA",) and cfg.hidden_dims == (64, 32)
+    assert OrcaConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="Unknown configuration keys"):
+        OrcaConfig.from_dict({"bogus": 1})
+
+
+def test_simulator_is_seeded_and_realistic():
+    a = orca_sc.datasets.simulate(300, 200, 4, n_batches=2, seed=5)
+    b = orca_sc.datasets.simulate(300, 200, 4, n_batches=2, seed=5)
+    assert (a.X != b.X).nnz == 0
+    assert sp.isspmatrix_csr(a.X) and np.all(a.X.data == np.round(a.X.data))
+    counts = a.obs.cell_type.value_counts()
+    assert counts["type_0"] > 2 * counts["type_3"]  # class imbalance
+    lib = np.asarray(a.X.sum(axis=1)).ravel()
+    assert lib.std() / lib.mean() > 0.2  # library-size variation
+    assert set(a.obs.batch) == {"batch_0", "batch_1"}
+    assert isinstance(a.obs.cell_type.dtype, pd.CategoricalDtype)

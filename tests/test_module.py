@@ -1,0 +1,110 @@
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from orca_sc import HEAD_SCALE
+from orca_sc.module import (
+    NormedLinear,
+    OrcaNet,
+    entropy_regularizer,
+    margin_cross_entropy,
+    pairwise_loss,
+    select_pairs,
+)
+
+
+def test_margin_ce_equals_plain_ce_at_zero_margin():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 5, generator=g) * 3
+    target = torch.tensor([0, 1, 2, 3, 4, 0, 1])
+    assert torch.allclose(margin_cross_entropy(logits, target, 0.0), F.cross_entropy(logits, target))
+
+
+def test_margin_ce_hand_computed():
+    # two classes, cosines (0.2, 0.5), target 0, margin 0.3, s = 10:
+    # loss = -log(e^{10*(0.2+0.3)} / (e^{10*(0.2+0.3)} + e^{10*0.5})) = log 2
+    logits = HEAD_SCALE * torch.tensor([[0.2, 0.5]])
+    loss = margin_cross_entropy(logits, torch.tensor([0]), 0.3)
+    assert math.isclose(float(loss), math.log(2), rel_tol=1e-5)
+    # a positive margin makes the true class easier: loss decreases
+    assert float(margin_cross_entropy(logits, torch.tensor([0]), 0.5)) < float(loss)
+
+
+def test_margin_ce_empty_batch_is_zero_and_differentiable():
+    logits = torch.randn(0, 3, requires_grad=True)
+    loss = margin_cross_entropy(logits, torch.zeros(0, dtype=torch.long), 0.2)
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+
+
+def test_pairwise_loss_hand_computed():
+    p = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    q = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    # <p0,q0> = 1 -> 0 ; <p1,q1> = 0.5 -> log 2 ; mean = log(2)/2
+    assert math.isclose(float(pairwise_loss(p, q)), math.log(2) / 2, rel_tol=1e-6)
+
+
+def test_entropy_regularizer_uniform_and_collapsed():
+    uniform = torch.full((4, 4), 0.25)
+    assert abs(float(entropy_regularizer(uniform))) < 1e-6
+    collapsed = torch.tensor([[1.0, 0, 0, 0]] * 3)
+    assert math.isclose(float(entropy_regularizer(collapsed)), math.log(4), rel_tol=1e-5)
+    # mean prediction (0.75, 0.25): log 2 - H = log 2 + 0.75 log .75 + .25 log .25
+    p = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    expected = math.log(2) + 0.75 * math.log(0.75) + 0.25 * math.log(0.25)
+    assert math.isclose(float(entropy_regularizer(p)), expected, rel_tol=1e-5)
+    # KL to a prior equal to the mean prediction is zero
+    assert abs(float(entropy_regularizer(p, torch.tensor([0.75, 0.25])))) < 1e-6
+
+
+def test_normed_head_bounded_by_scale():
+    head = NormedLinear(16, 6)
+    z = torch.randn(100, 16) * 1000
+    out = head(z)
+    assert out.abs().max() <= HEAD_SCALE + 1e-4
+    # the logit of a weight direction itself reaches exactly s
+    w = head.weight.detach()[2:3] * 7.0
+    assert math.isclose(float(head(w)[0, 2].detach()), HEAD_SCALE, rel_tol=1e-5)
+
+
+def test_add_heads_keeps_old_weights():
+    head = NormedLinear(8, 3)
+    old = head.weight.detach().clone()
+    head.add_heads(torch.ones(2, 8))
+    assert head.weight.shape == (5, 8)
+    assert torch.equal(head.weight[:3].detach(), old)
+
+
+def test_select_pairs_labelled_same_class_and_unlabelled_nearest():
+    feats = torch.tensor(
+        [[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [1.0, 0.05], [-1.0, 0.0]]
+    )
+    labels = torch.tensor([0, 0, 1, -1, -1, 2])
+    g = torch.Generator().manual_seed(0)
+    idx = select_pairs(feats, labels, g)
+    assert idx[0] == 1 and idx[1] == 0  # only same-class partner, never itself
+    assert idx[2] == 2  # alone in its class in the batch -> itself
+    assert idx[5] == 5
+    assert idx[3] == 2  # nearest by cosine among the other cells (any label)
+    assert idx[4] == 0
+
+
+def test_select_pairs_random_partner_within_class():
+    labels = torch.tensor([0] * 10)
+    feats = torch.randn(10, 4)
+    g = torch.Generator().manual_seed(1)
+    seen = set()
+    for _ in range(20):
+        idx = select_pairs(feats, labels, g)
+        assert torch.all(idx != torch.arange(10))
+        seen.update(idx.tolist())
+    assert len(seen) > 5  # partners are drawn at random, not always the same cell
+
+
+def test_orcanet_shapes():
+    net = OrcaNet(20, 7, (16, 8), 0.1)
+    logits, z = net(torch.randn(5, 20))
+    assert logits.shape == (5, 7) and z.shape == (5, 8)
+    np.testing.assert_array_less(logits.abs().detach().numpy(), HEAD_SCALE + 1e-4)
