@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,7 +160,7 @@ class OrcaModel:
             "extra": self.extra,
         }
         payload = {
-            "meta": meta,
+            "meta": json.loads(json.dumps(meta, default=_to_builtin)),  # plain JSON types only
             "state_dict": {k: v.detach().cpu() for k, v in self.net.state_dict().items()},
             "centroids": torch.as_tensor(self.centroids),
         }
@@ -209,3 +210,12 @@ class OrcaModel:
             meta.get("history"),
             meta.get("extra"),
         )
+
+
+def _to_builtin(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    msg = f"Cannot store {type(obj).__name__} in model metadata."
+    raise TypeError(msg)

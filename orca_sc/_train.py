@@ -206,7 +206,7 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
             loss = parts[0]
             if not torch.isfinite(loss):
                 msg = (
-                    f"The training loss became {float(loss)} at epoch {epoch + 1}; lower the learning "
+                    f"The training loss became {float(loss.detach())} at epoch {epoch + 1}; lower the learning "
                     "rate (lr=...) or check the input for extreme values."
                 )
                 raise TrainingDivergedError(msg)

@@ -1,0 +1,171 @@
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import torch
+from conftest import FAST, SHARED_DATA, open_world
+
+import orca_sc
+from orca_sc import OrcaInputError, OrcaModel, TrainingDivergedError
+
+
+def test_end_to_end_simulated_open_world():
+    """Simulated counts, 3 seen + 3 novel types, paper protocol, default settings."""
+    a = orca_sc.datasets.simulate(1200, 1000, 6, markers_per_type=60, marker_fold=4.0, seed=0)
+    open_world(a, ["type_0", "type_1", "type_2"])
+    orca_sc.tl.annotate(a, labels_key="lab", n_genes=500, progress=False)
+    r = orca_sc.metrics.report(a, "cell_type")
+    assert r["seen_accuracy"] >= 0.9
+    assert r["novel_accuracy"] >= 0.8
+    assert r["n_novel_found"] == 3
+
+
+def test_output_contract(small_sim, tmp_path):
+    X_before = small_sim.X.copy()
+    orca_sc.tl.annotate(small_sim, labels_key="lab", **FAST)
+    obs = small_sim.obs
+    assert isinstance(obs["orca_label"].dtype, pd.CategoricalDtype)
+    assert obs["orca_label"].notna().all()
+    novel = obs["orca_label"].astype(str).str.startswith("novel_")
+    assert (obs["orca_novel"].notna() == novel).all()
+    assert (obs.loc[novel, "orca_novel"].astype(str) == obs.loc[novel, "orca_label"].astype(str)).all()
+    sizes = small_sim.uns["orca"]["novel_cluster_sizes"]
+    assert list(sizes.values()) == sorted(sizes.values(), reverse=True)  # numbered by size
+    assert obs["orca_confidence"].between(0, 1).all()
+    assert small_sim.obsm["X_orca"].shape == (small_sim.n_obs, 128)
+    u = small_sim.uns["orca"]
+    for key in ("params", "seen_classes", "n_novel", "input_scale", "history", "training", "seed", "version"):
+        assert key in u
+    assert u["input_scale"] == {"AnnData": "counts"}
+    assert len(u["history"]["loss"]) == u["training"]["epochs"]
+    # the input matrix is neither densified nor modified
+    assert sp.issparse(small_sim.X) and (small_sim.X != X_before).nnz == 0
+    small_sim.write_h5ad(tmp_path / "out.h5ad")  # uns is storable
+    back = ad.read_h5ad(tmp_path / "out.h5ad")
+    assert (back.obs["orca_label"] == obs["orca_label"]).all()
+
+
+def test_same_seed_same_labels_and_copy(small_sim):
+    a1 = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, seed=7, **FAST)
+    a2 = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, seed=7, **FAST)
+    assert "orca_label" not in small_sim.obs  # copy=True leaves the input alone
+    assert (a1.obs["orca_label"] == a2.obs["orca_label"]).all()
+    np.testing.assert_array_equal(a1.obsm["X_orca"], a2.obsm["X_orca"])
+
+
+def test_save_load_predict_round_trip(small_sim, tmp_path):
+    model = orca_sc.tl.annotate(small_sim, labels_key="lab", return_model=True, **FAST)
+    path = tmp_path / "model.pt"
+    model.save(path)
+    payload = torch.load(path, weights_only=True)  # no code in the file
+    assert payload["meta"]["genes"] == model.genes
+    loaded = OrcaModel.load(path)
+    labels, pred, info = loaded.predict(small_sim)
+    np.testing.assert_array_equal(labels, small_sim.obs["orca_label"].astype(str).to_numpy())
+    # gene order does not matter: predict aligns by name
+    shuffled = small_sim[:, np.random.default_rng(0).permutation(small_sim.n_vars)].copy()
+    labels2, _, _ = loaded.predict(shuffled)
+    np.testing.assert_array_equal(labels2, labels)
+
+
+def test_load_refuses_foreign_or_corrupt_files(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a model at all")
+    with pytest.raises(OrcaInputError, match="not an orca_sc model or it is corrupt"):
+        OrcaModel.load(bad)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("code ran",))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"meta": Evil()}, evil)
+    with pytest.raises(OrcaInputError, match="carry code are refused"):
+        OrcaModel.load(evil)
+    other = tmp_path / "other.pt"
+    torch.save({"meta": {"format": "something/9"}}, other)
+    with pytest.raises(OrcaInputError, match="expected 'orca_sc.model/1'"):
+        OrcaModel.load(other)
+
+
+def test_predict_rejects_too_few_genes(small_sim, tmp_path):
+    model = orca_sc.tl.annotate(small_sim, labels_key="lab", return_model=True, **FAST)
+    few = small_sim[:, :100].copy()
+    with pytest.raises(OrcaInputError, match="Only 100 of the model's 300 genes"):
+        model.predict(few)
+
+
+def test_reference_query_mode_and_fixed_n_novel(small_sim):
+    ref = small_sim[small_sim.obs["lab"].notna()].copy()
+    query = small_sim[small_sim.obs["lab"].isna()].copy()
+    query.obs = query.obs[["cell_type"]]
+    orca_sc.tl.annotate(query, ref, labels_key="cell_type", n_novel=2, **FAST)
+    u = query.uns["orca"]
+    assert u["mode"] == "reference" and u["n_novel"]["heads"] == 2
+    assert u["input_scale"] == {"query": "counts", "reference": "counts"}
+    assert query.obs["orca_label"].notna().all()
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [{"margin": "zero"}, {"margin": "fixed"}, {"supervised": False}, {"regularizer": False}, {"warmup_epochs": 0, "n_novel": 2}],
+)
+def test_ablation_switches_change_training(small_sim, switch):
+    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **{**FAST, **switch})
+    h = a.uns["orca"]["history"]
+    if switch.get("margin") == "zero":
+        assert np.all(h["margin"] == 0)
+    if switch.get("margin") == "fixed":
+        assert np.all(h["margin"] == 0.5)
+    if switch.get("supervised") is False:
+        assert np.all(h["supervised"] == 0)
+    if switch.get("regularizer") is False:
+        assert np.all(h["regularizer"] == 0)
+    if "warmup_epochs" in switch:
+        assert not np.any(h["warmup"])
+
+
+def test_adaptive_margin_follows_uncertainty(small_sim):
+    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **FAST)
+    h = a.uns["orca"]["history"]
+    np.testing.assert_allclose(h["margin"], np.minimum(h["uncertainty"], 0.5))
+    assert h["uncertainty"][-1] < h["uncertainty"][0]
+
+
+def test_non_finite_loss_stops_training(small_sim):
+    with pytest.raises(TrainingDivergedError, match="lower the learning rate"):
+        orca_sc.tl.annotate(small_sim, labels_key="lab", lr=1e30, **FAST)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_without_gpu_is_a_clear_error(small_sim):
+    with pytest.raises(ValueError, match="no CUDA GPU is available"):
+        orca_sc.tl.annotate(small_sim, labels_key="lab", device="cuda", **FAST)
+
+
+def test_small_query_gets_enough_steps(small_sim):
+    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, progress=False, n_genes=None)
+    t = a.uns["orca"]["training"]
+    assert t["steps"] >= 300 and t["epochs"] > 20  # 500 cells: one batch per epoch, epochs added
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "tm_facs_scfind.h5ad").exists(), reason="shared data absent")
+def test_tabula_muris_kidney_to_marrow(capsys):
+    a = ad.read_h5ad(SHARED_DATA / "tm_facs_scfind.h5ad")
+    a = a[a.obs.cell_type != "unannotated"].copy()
+    ref, query = a[a.obs.tissue == "Kidney"].copy(), a[a.obs.tissue == "Marrow"].copy()
+    truth = query.obs["cell_type"].astype(str)
+    orca_sc.tl.annotate(query, ref, labels_key="cell_type", progress=False)
+    lab = query.obs["orca_label"].astype(str)
+    b = truth.str.contains("B cell").to_numpy()
+    kidney_only = [
+        "epithelial cell of proximal tubule",
+        "kidney collecting duct epithelial cell",
+        "endothelial cell",
+    ]
+    frac = float((~lab[b].isin(kidney_only)).mean())
+    macro = int((lab[truth == "macrophage"] == "macrophage").sum())
+    with capsys.disabled():
+        print(f"\nTM kidney->marrow: B-lineage not kidney-only {frac:.3f}; macrophages as macrophage {macro}/13")
+    assert frac >= 0.8
