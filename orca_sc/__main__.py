@@ -1,0 +1,5 @@
+"""``python -m orca_sc``: run the built-in example."""
+
+from ._demo import main
+
+main()
