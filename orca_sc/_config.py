@@ -51,7 +51,9 @@ class OrcaConfig:
         different dropout mask).
     n_novel
         Number of novel heads: an int, or ``"auto"`` to estimate the number of novel types from the
-        data (see :func:`orca_sc.estimate_n_novel`).
+        data: the number of candidate novel clusters found after the warm-up.
+    resolution
+        Leiden resolution used to find candidate novel clusters (higher: more, smaller clusters).
 
     Training (paper Eq. 1–6)
     ------------------------
@@ -73,7 +75,7 @@ class OrcaConfig:
         Switch the supervised term and the entropy regulariser off for ablations.
     prior
         Target of the regulariser (paper Eq. 5, ``KL(mean prediction || prior)``): ``"uniform"``
-        is the paper's maximum-entropy choice (default); ``"data"`` gives each seen head its
+        is the paper's maximum-entropy choice; ``"data"`` (default) gives each seen head its
         labelled-class frequency and each novel head the size of its candidate cluster, so that
         a large query type is not split to fill the head of a rare known type. Used when novel
         heads are initialised after a warm-up; otherwise uniform.
@@ -97,6 +99,7 @@ class OrcaConfig:
     hidden_dims: tuple[int, int] = (512, 128)
     dropout: float = 0.1
     n_novel: int | str = "auto"
+    resolution: float = 0.5
     # training
     epochs: int = 20
     batch_size: int = 512
@@ -112,7 +115,7 @@ class OrcaConfig:
     max_margin: float = 0.5
     supervised: bool = True
     regularizer: bool = True
-    prior: PriorMode = "uniform"
+    prior: PriorMode = "data"
     device: str = "auto"
     seed: int = 0
     progress: bool = True
@@ -146,7 +149,7 @@ class OrcaConfig:
                 bad(name, getattr(self, name), "a non-negative integer")
         if self.batch_size < 2:
             bad("batch_size", self.batch_size, "at least 2 (BatchNorm needs two cells)")
-        for name in ("lr", "target_sum"):
+        for name in ("lr", "target_sum", "resolution"):
             if not getattr(self, name) > 0:
                 bad(name, getattr(self, name), "a positive number")
         for name in ("weight_decay", "eta1", "eta2", "lam", "fixed_margin", "max_margin"):

@@ -10,6 +10,7 @@ only unlabelled ones. The count of such clusters is the estimate.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import scipy.sparse as sp
@@ -48,6 +49,67 @@ def _dense(X, domain, scale, offset, rows) -> np.ndarray:
     return X[rows].toarray() * scale[d] + offset[d]
 
 
+def leiden(emb: np.ndarray, resolution: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Leiden cluster codes of the rows of ``emb`` (15-NN graph, igraph flavour)."""
+    import anndata as ad
+    import scanpy as sc
+
+    if emb.shape[0] < 3:
+        return np.zeros(emb.shape[0], dtype=np.int64)
+    tmp = ad.AnnData(X=sp.csr_matrix((emb.shape[0], 1), dtype=np.float32))
+    tmp.obsm["X_emb"] = emb
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sc.pp.neighbors(
+            tmp, n_neighbors=min(15, emb.shape[0] - 1), use_rep="X_emb", random_state=seed
+        )
+        sc.tl.leiden(
+            tmp,
+            resolution=resolution,
+            flavor="igraph",
+            n_iterations=2,
+            directed=False,
+            random_state=seed,
+        )
+    return tmp.obs["leiden"].cat.codes.to_numpy().astype(np.int64)
+
+
+def min_cluster_size(n_unlabeled: int) -> int:
+    """Smallest candidate novel cluster: 5 cells or 0.5% of the unlabelled cells."""
+    return max(5, int(np.ceil(0.005 * n_unlabeled)))
+
+
+def ood_clusters(
+    maxcos: np.ndarray,
+    labeled: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    quantile: float = 0.01,
+    resolution: float = 1.0,
+    seed: int = 0,
+) -> tuple[np.ndarray, list[int], float]:
+    """Candidate novel clusters from the cells the seen heads do not explain.
+
+    An unlabelled cell is out-of-distribution when its highest cosine similarity to a seen-class
+    head is below the ``quantile`` of that similarity over labelled cells. The OOD cells are
+    clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``); clusters of at least
+    :func:`min_cluster_size` cells are the candidates. Returns ``(assign, sizes, threshold)`` with
+    ``assign[i]`` the candidate index of cell ``i`` (``-1`` outside candidates), largest first.
+    """
+    tau = float(np.quantile(maxcos[labeled], quantile))
+    ood = np.flatnonzero(~labeled & (maxcos < tau))
+    min_size = min_cluster_size(int((~labeled).sum()))
+    assign = np.full(maxcos.shape[0], -1, dtype=np.int64)
+    if ood.size < min_size:
+        return assign, [], tau
+    codes = leiden(pca_of(ood), resolution, seed)
+    counts = np.bincount(codes)
+    keep = [c for c in np.argsort(-counts, kind="stable") if counts[c] >= min_size]
+    for rank, c in enumerate(keep):
+        assign[ood[codes == c]] = rank
+    return assign, [int(counts[c]) for c in keep], tau
+
+
 def novel_clusters(
     emb: np.ndarray,
     labeled: np.ndarray,
@@ -62,26 +124,9 @@ def novel_clusters(
     Returns ``(assign, sizes)``: ``assign[i]`` is the novel-cluster index of cell ``i`` (``-1`` for
     cells outside novel clusters), novel clusters ordered by size (largest first).
     """
-    import anndata as ad
-    import scanpy as sc
-
-    tmp = ad.AnnData(X=sp.csr_matrix((emb.shape[0], 1), dtype=np.float32))
-    tmp.obsm["X_emb"] = emb
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        sc.pp.neighbors(tmp, n_neighbors=15, use_rep="X_emb", random_state=seed)
-        sc.tl.leiden(
-            tmp,
-            resolution=resolution,
-            flavor="igraph",
-            n_iterations=2,
-            directed=False,
-            random_state=seed,
-        )
-    clusters = tmp.obs["leiden"].cat.codes.to_numpy()
-    n_unl = int((~labeled).sum())
+    clusters = leiden(emb, resolution, seed)
     if min_size is None:
-        min_size = max(5, int(np.ceil(0.005 * n_unl)))
+        min_size = min_cluster_size(int((~labeled).sum()))
     frac_all = labeled.mean()
     found = []
     for c in np.unique(clusters):  # loop over clusters, not cells

@@ -14,7 +14,7 @@ from .. import __version__
 from .._align import class_centroids, compute_transform
 from .._config import OrcaConfig
 from .._data import prepare
-from .._estimate import _MAX_CELLS, estimate_n_novel, novel_clusters
+from .._estimate import _MAX_CELLS, estimate_n_novel, ood_clusters, pca_embedding
 from .._model import OrcaModel
 from .._train import infer, train
 
@@ -128,15 +128,20 @@ def annotate(
         n_heads0 = n_seen
         hook = partial(
             _init_novel_heads,
+            pca_of=partial(
+                pca_embedding, data.X, data.domain, scale, offset, n_comps=30, seed=cfg.seed
+            ),
             labels=data.labels,
             rows=_subsample(data.n_cells, cfg.seed),
             n_novel=cfg.n_novel,
+            resolution=cfg.resolution,
             seed=cfg.seed,
         )
     else:
         if cfg.n_novel == "auto":
             estimate = estimate_n_novel(
-                data.X, data.labels, data.domain, scale, offset, seed=cfg.seed
+                data.X, data.labels, data.domain, scale, offset, seed=cfg.seed,
+                resolution=cfg.resolution,
             )
         n_heads0 = n_seen + (estimate["n_novel"] if cfg.n_novel == "auto" else int(cfg.n_novel))
     result = train(data.X, data.labels, data.domain, scale, offset, n_heads0, cfg, hook)
@@ -225,16 +230,24 @@ def _subsample(n: int, seed: int) -> np.ndarray:
     return np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
 
 
-def _init_novel_heads(net, data, *, labels, rows, n_novel, seed):
+def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, seed):
     """Prototypes of candidate novel clusters (see :func:`orca_sc._train.train`).
 
-    Candidates are Leiden clusters (:func:`novel_clusters`) of the warmed-up embedding, where
-    known types of reference and query coincide after the supervised warm-up.
+    Candidates (:func:`orca_sc._estimate.ood_clusters`) are clusters of the unlabelled cells that
+    the warmed-up seen heads do not explain; each novel head starts at the mean embedding of one.
     """
     n = labels.shape[0]
     rng = np.random.default_rng(seed)
-    _, emb = infer(net, data, rows)
-    assign, sizes = novel_clusters(emb, labels[rows] >= 0, seed=seed)
+    _, emb = infer(net, data, rows)  # (n_rows, D), L2-normalised
+    seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
+    maxcos = (emb @ seen_w.T).max(axis=1)
+    assign, sizes, tau = ood_clusters(
+        maxcos,
+        labels[rows] >= 0,
+        lambda idx: pca_of(rows=rows[idx]),
+        resolution=resolution,
+        seed=seed,
+    )
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     protos = rng.normal(size=(k, emb.shape[1]))
     for j in range(min(k, len(sizes))):
@@ -254,7 +267,8 @@ def _init_novel_heads(net, data, *, labels, rows, n_novel, seed):
     info = {
         "n_novel": len(sizes),
         "cluster_sizes": sizes,
-        "space": "warm-up embedding",
+        "method": "Leiden clusters of cells below the 1% quantile of labelled max cosine",
+        "threshold": tau,
         "prior": prior.tolist(),
     }
     return torch.as_tensor(protos, dtype=torch.float32), info
