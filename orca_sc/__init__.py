@@ -10,7 +10,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 from . import datasets, metrics, tl  # noqa: E402
 from ._config import HEAD_SCALE, OrcaConfig  # noqa: E402
 from ._data import OrcaInputError  # noqa: E402
-from ._estimate import estimate_n_novel  # noqa: E402
 from ._model import OrcaModel  # noqa: E402
 from ._train import TrainingDivergedError  # noqa: E402
 
@@ -21,7 +20,6 @@ __all__ = [
     "OrcaModel",
     "TrainingDivergedError",
     "datasets",
-    "estimate_n_novel",
     "metrics",
     "tl",
     "__version__",

@@ -49,22 +49,36 @@ def _dense(X, domain, scale, offset, rows) -> np.ndarray:
     return X[rows].toarray() * scale[d] + offset[d]
 
 
+def knn_graph(emb: np.ndarray, n_neighbors: int = 15) -> sp.csr_matrix:
+    """Symmetric, unweighted kNN graph (exact neighbours, Euclidean) as a CSR adjacency matrix.
+
+    Built with scikit-learn rather than ``sc.pp.neighbors``, whose approximate path (used from
+    4,096 cells on) breaks with recent scipy and spends ~25 s compiling numba code.
+    """
+    from sklearn.neighbors import NearestNeighbors
+
+    n = emb.shape[0]
+    k = min(n_neighbors, n - 1)
+    idx = NearestNeighbors(n_neighbors=k + 1).fit(emb).kneighbors(return_distance=False)[:, :k]
+    rows = np.repeat(np.arange(n), k)
+    A = sp.csr_matrix((np.ones(rows.size, dtype=np.float32), (rows, idx.ravel())), shape=(n, n))
+    A = A.maximum(A.T).tocsr()
+    return A
+
+
 def leiden(emb: np.ndarray, resolution: float = 1.0, seed: int = 0) -> np.ndarray:
-    """Leiden cluster codes of the rows of ``emb`` (15-NN graph, igraph flavour)."""
+    """Leiden cluster codes of the rows of ``emb`` (15-NN graph, igraph flavour, seeded)."""
     import anndata as ad
     import scanpy as sc
 
     if emb.shape[0] < 3:
         return np.zeros(emb.shape[0], dtype=np.int64)
     tmp = ad.AnnData(X=sp.csr_matrix((emb.shape[0], 1), dtype=np.float32))
-    tmp.obsm["X_emb"] = emb
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sc.pp.neighbors(
-            tmp, n_neighbors=min(15, emb.shape[0] - 1), use_rep="X_emb", random_state=seed
-        )
         sc.tl.leiden(
             tmp,
+            adjacency=knn_graph(emb),
             resolution=resolution,
             flavor="igraph",
             n_iterations=2,

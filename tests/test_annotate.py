@@ -133,6 +133,15 @@ def test_adaptive_margin_follows_uncertainty(small_sim):
     assert h["uncertainty"][-1] < h["uncertainty"][0]
 
 
+def test_config_object_and_keyword_overrides(small_sim):
+    cfg = orca_sc.OrcaConfig(**{**FAST, "seed": 3, "margin": "zero"})
+    a = orca_sc.tl.annotate(small_sim, labels_key="lab", config=cfg, copy=True, epochs=4)
+    params = a.uns["orca"]["params"]
+    assert params["seed"] == 3 and params["margin"] == "zero" and params["epochs"] == 4
+    with pytest.raises(TypeError, match="bogus"):
+        orca_sc.tl.annotate(small_sim, labels_key="lab", bogus=1, **FAST)
+
+
 def test_non_finite_loss_stops_training(small_sim):
     with pytest.raises(TrainingDivergedError, match="lower the learning rate"):
         orca_sc.tl.annotate(small_sim, labels_key="lab", lr=1e30, **FAST)

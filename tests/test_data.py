@@ -177,3 +177,35 @@ def test_simulator_is_seeded_and_realistic():
     assert lib.std() / lib.mean() > 0.2  # library-size variation
     assert set(a.obs.batch) == {"batch_0", "batch_1"}
     assert isinstance(a.obs.cell_type.dtype, pd.CategoricalDtype)
+
+
+def test_batch_key_missing_and_unlabelled_reference():
+    genes = [f"g{i}" for i in range(150)]
+    ref = _adata(np.ones((6, 150)), genes, ["a", "b"] * 3)
+    q = _adata(np.ones((4, 150)), genes)
+    with pytest.raises(OrcaInputError, match="batch_key 'donor' is not a column of the reference"):
+        prepare(q, ref, "cell_type", OrcaConfig(n_genes=None, batch_key="donor"))
+    ref.obs["cell_type"] = [np.nan] * 6
+    with pytest.raises(OrcaInputError, match="reference has no labelled cells"):
+        prepare(q, ref, "cell_type", OrcaConfig(n_genes=None))
+
+
+def test_empty_query_is_an_error():
+    genes = [f"g{i}" for i in range(150)]
+    ref = _adata(np.ones((6, 150)), genes, ["a", "b"] * 3)
+    with pytest.raises(OrcaInputError, match="The query has no cells"):
+        prepare(_adata(np.ones((0, 150)), genes), ref, "cell_type", OrcaConfig(n_genes=None))
+
+
+def test_leiden_on_more_than_4096_cells_finds_blobs():
+    from orca_sc._estimate import leiden
+
+    rng = np.random.default_rng(0)
+    centers = rng.normal(0, 10, (4, 10))
+    emb = np.vstack([c + rng.normal(0, 1, (1300, 10)) for c in centers])
+    codes = leiden(emb, resolution=0.3, seed=0)
+    truth = np.repeat(np.arange(4), 1300)
+    from sklearn.metrics import adjusted_rand_score
+
+    assert adjusted_rand_score(truth, codes) > 0.95
+    np.testing.assert_array_equal(codes, leiden(emb, resolution=0.3, seed=0))  # seeded

@@ -1,0 +1,107 @@
+"""Training speed and peak memory of ``orca_sc.tl.annotate`` on simulated counts.
+
+Usage: ``python benchmarks/speed.py [--cells 100000] [--genes 2000] [--threads 2]``
+Prints seconds per epoch, cells/s, the FLOP floor of the architecture on this machine and the peak
+resident memory; writes ``reports/speed.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import orca_sc
+
+
+def matmul_gflops(m: int, k: int, n: int, reps: int = 20) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e9
+
+
+def flops_per_cell_epoch(g: int, h1: int, h2: int, k: int, batch: int, unl_frac: float) -> float:
+    """FLOPs one cell costs per epoch of the full objective.
+
+    Two forward passes (two dropout views): 2*(G*h1 + h1*h2 + h2*K) multiply-adds each; backward
+    ~2x forward except the first layer, which needs no gradient w.r.t. its input (1x); pair
+    selection: a B x B x h2 similarity per batch, i.e. B*h2 per cell; the uncertainty pass: one
+    forward pass over unlabelled cells.
+    """
+    fwd = 2 * (g * h1 + h1 * h2 + h2 * k)
+    bwd = 2 * g * h1 + 2 * 2 * (h1 * h2 + h2 * k)
+    pairs = 2 * batch * h2
+    return 2 * (fwd + bwd) + pairs + unl_frac * fwd
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--cells", type=int, default=100_000)
+    ap.add_argument("--genes", type=int, default=2000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=Path("reports/speed.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    t0 = time.perf_counter()
+    a = orca_sc.datasets.simulate(args.cells, args.genes, 10, seed=0)
+    t_sim = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    seen = [f"type_{i}" for i in range(5)]
+    lab = a.obs.cell_type.isin(seen).to_numpy() & (rng.random(a.n_obs) < 0.5)
+    a.obs["lab"] = a.obs.cell_type.astype(object).where(lab, None)
+    density = a.X.nnz / (a.shape[0] * a.shape[1])
+
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        orca_sc.tl.annotate(a, labels_key="lab", n_genes=None, epochs=args.epochs, progress=False)
+    total = time.perf_counter() - t0
+    u = a.uns["orca"]
+    h = u["history"]
+    full = ~np.asarray(h["warmup"], dtype=bool)
+    sec_full = float(np.median(np.asarray(h["seconds"])[full]))
+    h1, h2 = u["params"]["hidden_dims"]
+    k = len(u["seen_classes"]) + u["n_novel"]["heads"]
+    unl_frac = float(np.mean(~lab))
+    fpc = flops_per_cell_epoch(args.genes, h1, h2, k, u["params"]["batch_size"], unl_frac)
+    gflops = matmul_gflops(u["params"]["batch_size"], args.genes, h1)
+    floor = fpc * args.cells / (gflops * 1e9)
+    rep = orca_sc.metrics.report(a, "cell_type")
+    out = {
+        "cells": args.cells,
+        "genes": args.genes,
+        "density": density,
+        "torch_threads": torch.get_num_threads(),
+        "simulate_seconds": t_sim,
+        "annotate_seconds": total,
+        "training_seconds": u["training"]["seconds"],
+        "epochs": u["training"]["epochs"],
+        "steps": u["training"]["steps"],
+        "seconds_per_epoch_full_objective_median": sec_full,
+        "cells_per_second": args.cells / sec_full,
+        "flops_per_cell_epoch": fpc,
+        "measured_matmul_gflops": gflops,
+        "flop_floor_seconds_per_epoch": floor,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "seen_accuracy": rep["seen_accuracy"],
+        "novel_accuracy": rep["novel_accuracy"],
+    }
+    for k_, v in out.items():
+        print(f"{k_:>40}: {v:.4g}" if isinstance(v, float) else f"{k_:>40}: {v}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
