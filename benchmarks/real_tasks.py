@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--set", nargs="*", default=[], help="OrcaConfig overrides, key=value")
     ap.add_argument("--out", type=Path, default=Path("reports/real_tasks.csv"))
+    ap.add_argument(
+        "--true-n-novel", action="store_true", help="give n_novel = the true number of novel types"
+    )
     args = ap.parse_args()
     overrides = {}
     for kv in args.set:
@@ -88,10 +91,14 @@ def main() -> None:
         for name, q, r, key in tasks(args.data, seed):
             if args.only and not any(o in name for o in args.only):
                 continue
+            kw = dict(overrides)
+            if args.true_n_novel:
+                seen = set(r.obs[key].dropna().astype(str)) if r is not None else set(q.obs[key].dropna().astype(str))
+                kw["n_novel"] = len(set(q.obs["truth"]) - seen)
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                orca_sc.tl.annotate(q, r, labels_key=key, seed=seed, progress=False, **overrides)
+                orca_sc.tl.annotate(q, r, labels_key=key, seed=seed, progress=False, **kw)
             rep = orca_sc.metrics.report(q, "truth")
             u = q.uns["orca"]
             row = {

@@ -78,10 +78,12 @@ class OrcaModel:
         dev = resolve_device(device or self.config.device)
         self.net.to(dev)
         probs, emb = infer(self.net, DeviceCSR(X, domain, scale, offset, dev))
+        return Prediction(probs, emb, self.assign_heads(probs))
+
+    def assign_heads(self, probs: np.ndarray) -> np.ndarray:
+        """Most probable head of each cell among the kept heads (pruned heads never win)."""
         kept = np.array([n is not None for n in self.head_names])
-        # pruned heads never win: a cell goes to its most probable kept head
-        head = np.where(kept[None, :], probs, -1.0).argmax(axis=1)
-        return Prediction(probs, emb, head)
+        return np.where(kept[None, :], probs, -1.0).argmax(axis=1)
 
     def labels_for(self, head: np.ndarray) -> np.ndarray:
         """Output label (class or novel cluster name) of each cell's head."""

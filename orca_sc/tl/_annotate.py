@@ -170,8 +170,7 @@ def annotate(
     for rank, h in enumerate(order):
         head_names[n_seen + h] = f"novel_{rank + 1}"
     model.head_names = head_names
-    pred = model.predict_arrays(data.X, data.domain, scale, offset)
-    labels_all = model.labels_for(pred.head)
+    labels_all = model.labels_for(model.assign_heads(pred.probs))
     novel_sizes = {
         head_names[n_seen + h]: int(counts[h]) for h in order
     }
