@@ -239,7 +239,8 @@ def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, s
     rng = np.random.default_rng(seed)
     _, emb = infer(net, data, rows)  # (n_rows, D), L2-normalised
     seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
-    maxcos = (emb @ seen_w.T).max(axis=1)
+    sims = emb @ seen_w.T  # (n_rows, n_seen) cosine to each seen head
+    maxcos = sims.max(axis=1)
     assign, sizes, tau = ood_clusters(
         maxcos,
         labels[rows] >= 0,
@@ -252,17 +253,21 @@ def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, s
     for j in range(min(k, len(sizes))):
         protos[j] = emb[assign == j].mean(axis=0)
     protos /= np.linalg.norm(protos, axis=1, keepdims=True)
-    # prior of the regulariser: seen heads by labelled frequency, novel heads by cluster size
-    lab = labels[labels >= 0]
-    n_unl = int((labels < 0).sum())
-    n_cand = float(sum(sizes[:k])) * n / rows.size  # cells of candidate clusters, full scale
-    freq = np.bincount(lab, minlength=int(lab.max()) + 1) / lab.size
-    novel_sizes = np.array(sizes[:k] + [np.mean(sizes) if sizes else 1.0] * (k - len(sizes[:k])))
-    novel_mass = (n_cand if sizes else n_unl / (freq.size + k) * k) / n
-    seen_mass = 1.0 - novel_mass
-    prior = np.concatenate(
-        [seen_mass * freq, novel_mass * novel_sizes / max(novel_sizes.sum(), 1e-12)]
-    ) if k else freq
+    # prior of the regulariser = estimated composition of all cells over the heads: labelled cells
+    # by their label, candidate cells by their cluster, other unlabelled cells by their best seen
+    # head after the warm-up (so a known type that is rare in the reference but common in the
+    # query keeps its share)
+    n_seen = seen_w.shape[0]
+    lab_r = labels[rows]
+    head = np.where(lab_r >= 0, lab_r, sims.argmax(axis=1))
+    in_cand = (assign >= 0) & (assign < k)
+    head = np.where(in_cand, n_seen + assign, head)
+    counts = np.bincount(head, minlength=n_seen + k).astype(np.float64)
+    empty = counts[n_seen:] == 0  # novel heads without a candidate cluster
+    if empty.any():
+        fill = np.mean(sizes) if sizes else (lab_r < 0).sum() / (n_seen + k)
+        counts[n_seen:][empty] = max(fill, 1.0)
+    prior = counts / counts.sum()
     info = {
         "n_novel": len(sizes),
         "cluster_sizes": sizes,
