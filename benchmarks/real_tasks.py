@@ -40,7 +40,12 @@ def tasks(data_dir: Path, seed: int):
         a = ad.read_h5ad(f)
         a = a[a.obs.cell_type != "unannotated"].copy()
         a.obs["truth"] = a.obs.cell_type.astype(str)
-        yield "tm_kidney_to_marrow", a[a.obs.tissue == "Marrow"].copy(), a[a.obs.tissue == "Kidney"].copy(), "cell_type"
+        yield (
+            "tm_kidney_to_marrow",
+            a[a.obs.tissue == "Marrow"].copy(),
+            a[a.obs.tissue == "Kidney"].copy(),
+            "cell_type",
+        )
     f = data_dir / "baron_mouse.h5ad"
     if f.exists():
         a = ad.read_h5ad(f)
@@ -93,7 +98,11 @@ def main() -> None:
                 continue
             kw = dict(overrides)
             if args.true_n_novel:
-                seen = set(r.obs[key].dropna().astype(str)) if r is not None else set(q.obs[key].dropna().astype(str))
+                seen = (
+                    set(r.obs[key].dropna().astype(str))
+                    if r is not None
+                    else set(q.obs[key].dropna().astype(str))
+                )
                 kw["n_novel"] = len(set(q.obs["truth"]) - seen)
             t0 = time.perf_counter()
             with warnings.catch_warnings():
@@ -117,11 +126,20 @@ def main() -> None:
                 t = q.obs["truth"]
                 lab = q.obs["orca_label"].astype(str)
                 b = t.str.contains("B cell")
-                kidney_only = ["epithelial cell of proximal tubule", "kidney collecting duct epithelial cell", "endothelial cell"]
+                kidney_only = [
+                    "epithelial cell of proximal tubule",
+                    "kidney collecting duct epithelial cell",
+                    "endothelial cell",
+                ]
                 row["tm_B_not_kidney"] = float((~lab[b].isin(kidney_only)).mean())
                 row["tm_macro_ok"] = int((lab[t == "macrophage"] == "macrophage").sum())
             rows.append(row)
-            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            print(
+                " ".join(
+                    f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                ),
+                flush=True,
+            )
     df = pd.DataFrame(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False)

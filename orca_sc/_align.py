@@ -73,7 +73,6 @@ def centroid_shift(
     Cn = Cc / np.maximum(np.linalg.norm(Cc, axis=1, keepdims=True), 1e-12)
     sq = np.asarray(Xq.multiply(Xq).sum(axis=1)).ravel()  # |x|^2 per cell
     XCn = np.asarray(Xq @ Cn.T)  # (n_q, K)
-    Xmu = np.asarray(Xq @ mu).ravel()  # (n_q,)
     m = max(1, int(np.ceil(frac * n_q / K)))
     offset = np.zeros(n_genes)
     for _ in range(n_iter):

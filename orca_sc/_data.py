@@ -352,7 +352,7 @@ def _check_labels(labels: np.ndarray, classes: list[str], labels_key: str) -> No
             "AnnData (reference=...) or mark the cells to annotate as NaN / 'Unknown'."
         )
         raise OrcaInputError(msg)
-    single = [c for c, n in zip(classes, counts) if n == 1]
+    single = [c for c, n in zip(classes, counts, strict=True) if n == 1]
     if single:
         warnings.warn(
             f"{len(single)} labelled class(es) have a single cell ({single[:5]}); they are kept, "

@@ -11,7 +11,8 @@ DEMO_NOVEL = ("CD14+ Monocyte", "CD19+ B", "Dendritic")
 
 def demo_data(seed: int = 0, labeled_fraction: float = 0.5):
     """pbmc68k_reduced (700 PBMCs, 10 sorted types) with three types hidden and half of each other
-    type labelled in ``obs['input_label']``; the truth is in ``obs['bulk_labels']``."""
+    type labelled in ``obs['input_label']``; the truth is in ``obs['bulk_labels']``.
+    """
     import scanpy as sc
 
     adata = sc.datasets.pbmc68k_reduced().raw.to_adata()  # log-normalised values of 765 genes

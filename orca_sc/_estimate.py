@@ -19,6 +19,12 @@ _MAX_CELLS = 50_000
 _CHUNK = 8192
 
 
+def subsample_rows(n: int, seed: int) -> np.ndarray:
+    """All row indices, or a sorted random subset of ``_MAX_CELLS`` of them for large data."""
+    rng = np.random.default_rng(seed)
+    return np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
+
+
 def pca_embedding(
     X: sp.csr_matrix,
     domain: np.ndarray,
@@ -166,10 +172,9 @@ def estimate_n_novel(
     **kwargs,
 ) -> dict:
     """Estimate the number of novel types from the (aligned) expression: PCA, then
-    :func:`novel_clusters`. At most 50,000 cells (a random subset) are clustered."""
-    n = X.shape[0]
-    rng = np.random.default_rng(seed)
-    rows = np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
+    :func:`novel_clusters`. At most 50,000 cells (a random subset) are clustered.
+    """
+    rows = subsample_rows(X.shape[0], seed)
     emb = pca_embedding(X, domain, scale, offset, seed=seed, rows=rows)
     _, sizes = novel_clusters(emb, labels[rows] >= 0, seed=seed, **kwargs)
     return {"n_novel": len(sizes), "cluster_sizes": sizes, "space": "pca"}

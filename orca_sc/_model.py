@@ -105,7 +105,7 @@ class OrcaModel:
         idx = var.get_indexer(self.genes)
         found = idx >= 0
         if found.mean() < MIN_GENE_FRACTION:
-            missing = [g for g, f in zip(self.genes, found) if not f][:5]
+            missing = [g for g, f in zip(self.genes, found, strict=True) if not f][:5]
             msg = (
                 f"Only {int(found.sum())} of the model's {len(self.genes)} genes are in the data "
                 f"(need at least {MIN_GENE_FRACTION:.0%}); missing e.g. {missing}. Use the same gene "

@@ -166,9 +166,7 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
     opt = torch.optim.Adam(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch, n_epochs, warmup = _schedule(X.shape[0], config)
     history: list[dict] = []
-    bar = tqdm(
-        range(n_epochs), desc="ORCA", unit="epoch", disable=not config.progress, leave=False
-    )
+    bar = tqdm(range(n_epochs), desc="ORCA", unit="epoch", disable=not config.progress, leave=False)
     n_steps = 0
     novel_info: dict = {}
     prior = None  # uniform
@@ -195,7 +193,7 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
         unl_chunks = np.array_split(rng.permutation(unl_idx), steps_per_epoch)
         sums = np.zeros(4)
         n_done = 0
-        for lc, uc in zip(lab_chunks, unl_chunks):
+        for lc, uc in zip(lab_chunks, unl_chunks, strict=True):
             idx_np = np.concatenate([lc, uc]) if full else lc
             if idx_np.size < 2:
                 continue

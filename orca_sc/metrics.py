@@ -39,7 +39,7 @@ def hungarian_match(y_true: Any, y_pred: Any) -> dict[str, str]:
     w = np.zeros((pu.size, tu.size), dtype=np.int64)
     np.add.at(w, (pi, ti), 1)
     rows, cols = linear_sum_assignment(w, maximize=True)
-    return {pu[r]: tu[c] for r, c in zip(rows, cols) if w[r, c] > 0}
+    return {pu[r]: tu[c] for r, c in zip(rows, cols, strict=True) if w[r, c] > 0}
 
 
 def _cluster_accuracy(y_true: Any, y_pred: Any) -> float:

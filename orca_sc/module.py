@@ -18,7 +18,8 @@ _EPS = 1e-7
 
 class MLPBackbone(nn.Module):
     """Two fully connected blocks: Linear -> BatchNorm -> ReLU -> Dropout (the paper's single-cell
-    backbone). The output of the second block is the cell embedding."""
+    backbone). The output of the second block is the cell embedding.
+    """
 
     def __init__(self, n_in: int, hidden_dims: tuple[int, int], dropout: float) -> None:
         super().__init__()

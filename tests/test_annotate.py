@@ -29,13 +29,24 @@ def test_output_contract(small_sim, tmp_path):
     assert obs["orca_label"].notna().all()
     novel = obs["orca_label"].astype(str).str.startswith("novel_")
     assert (obs["orca_novel"].notna() == novel).all()
-    assert (obs.loc[novel, "orca_novel"].astype(str) == obs.loc[novel, "orca_label"].astype(str)).all()
+    assert (
+        obs.loc[novel, "orca_novel"].astype(str) == obs.loc[novel, "orca_label"].astype(str)
+    ).all()
     sizes = small_sim.uns["orca"]["novel_cluster_sizes"]
     assert list(sizes.values()) == sorted(sizes.values(), reverse=True)  # numbered by size
     assert obs["orca_confidence"].between(0, 1).all()
     assert small_sim.obsm["X_orca"].shape == (small_sim.n_obs, 128)
     u = small_sim.uns["orca"]
-    for key in ("params", "seen_classes", "n_novel", "input_scale", "history", "training", "seed", "version"):
+    for key in (
+        "params",
+        "seen_classes",
+        "n_novel",
+        "input_scale",
+        "history",
+        "training",
+        "seed",
+        "version",
+    ):
         assert key in u
     assert u["input_scale"] == {"AnnData": "counts"}
     assert len(u["history"]["loss"]) == u["training"]["epochs"]
@@ -109,7 +120,13 @@ def test_reference_query_mode_and_fixed_n_novel(small_sim):
 
 @pytest.mark.parametrize(
     "switch",
-    [{"margin": "zero"}, {"margin": "fixed"}, {"supervised": False}, {"regularizer": False}, {"warmup_epochs": 0, "n_novel": 2}],
+    [
+        {"margin": "zero"},
+        {"margin": "fixed"},
+        {"supervised": False},
+        {"regularizer": False},
+        {"warmup_epochs": 0, "n_novel": 2},
+    ],
 )
 def test_ablation_switches_change_training(small_sim, switch):
     a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **{**FAST, **switch})
@@ -176,5 +193,7 @@ def test_tabula_muris_kidney_to_marrow(capsys):
     frac = float((~lab[b].isin(kidney_only)).mean())
     macro = int((lab[truth == "macrophage"] == "macrophage").sum())
     with capsys.disabled():
-        print(f"\nTM kidney->marrow: B-lineage not kidney-only {frac:.3f}; macrophages as macrophage {macro}/13")
+        print(
+            f"\nTM kidney->marrow: B-lineage not kidney-only {frac:.3f}; macrophages as macrophage {macro}/13"
+        )
     assert frac >= 0.8

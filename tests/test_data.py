@@ -30,9 +30,7 @@ def test_log_normalize_hand_computed_and_sparse():
     X = sp.csr_matrix(np.array([[1, 3, 0], [0, 0, 2]], dtype=np.float32))
     Y = log_normalize(X, 1e4)
     assert sp.issparse(Y) and Y.nnz == X.nnz
-    np.testing.assert_allclose(
-        Y.toarray(), np.log1p([[2500, 7500, 0], [0, 0, 10000]]), rtol=1e-6
-    )
+    np.testing.assert_allclose(Y.toarray(), np.log1p([[2500, 7500, 0], [0, 0, 10000]]), rtol=1e-6)
     assert X[0, 1] == 3  # input untouched
 
 
@@ -88,7 +86,9 @@ def test_low_gene_overlap_warns():
 
 
 def test_duplicate_genes_raise():
-    a = _adata(np.ones((4, 150)), ["g0"] * 2 + [f"g{i}" for i in range(2, 150)], ["a", "b", None, None])
+    a = _adata(
+        np.ones((4, 150)), ["g0"] * 2 + [f"g{i}" for i in range(2, 150)], ["a", "b", None, None]
+    )
     with pytest.raises(OrcaInputError, match="duplicate gene names.*var_names_make_unique"):
         prepare(a, None, "cell_type", OrcaConfig(n_genes=None))
 
@@ -98,7 +98,9 @@ def test_label_errors():
     with pytest.raises(OrcaInputError, match="labels_key 'nope'.*columns: 'cell_type'"):
         prepare(_adata(X, labels=["a"] * 6), None, "nope", OrcaConfig(n_genes=None))
     with pytest.raises(OrcaInputError, match="at least 2 known cell types"):
-        prepare(_adata(X, labels=["a"] * 3 + [None] * 3), None, "cell_type", OrcaConfig(n_genes=None))
+        prepare(
+            _adata(X, labels=["a"] * 3 + [None] * 3), None, "cell_type", OrcaConfig(n_genes=None)
+        )
     with pytest.raises(OrcaInputError, match="no unlabelled cells"):
         prepare(_adata(X, labels=["a", "b"] * 3), None, "cell_type", OrcaConfig(n_genes=None))
     with pytest.raises(OrcaInputError, match="no cells"):
@@ -109,7 +111,9 @@ def test_unlabeled_category_and_single_cell_class_warning():
     labels = ["a", "a", "b", "Unknown", "unk", np.nan]
     a = _adata(np.ones((6, 150)), labels=labels)
     with pytest.warns(UserWarning, match="single cell"):
-        d = prepare(a, None, "cell_type", OrcaConfig(n_genes=None, unlabeled_category=("Unknown", "unk")))
+        d = prepare(
+            a, None, "cell_type", OrcaConfig(n_genes=None, unlabeled_category=("Unknown", "unk"))
+        )
     assert d.classes == ["a", "b"]
     assert d.labels.tolist() == [0, 0, 1, -1, -1, -1]
 

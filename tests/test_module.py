@@ -19,7 +19,9 @@ def test_margin_ce_equals_plain_ce_at_zero_margin():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 5, generator=g) * 3
     target = torch.tensor([0, 1, 2, 3, 4, 0, 1])
-    assert torch.allclose(margin_cross_entropy(logits, target, 0.0), F.cross_entropy(logits, target))
+    assert torch.allclose(
+        margin_cross_entropy(logits, target, 0.0), F.cross_entropy(logits, target)
+    )
 
 
 def test_margin_ce_hand_computed():
@@ -78,9 +80,7 @@ def test_add_heads_keeps_old_weights():
 
 
 def test_select_pairs_labelled_same_class_and_unlabelled_nearest():
-    feats = torch.tensor(
-        [[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [1.0, 0.05], [-1.0, 0.0]]
-    )
+    feats = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [1.0, 0.05], [-1.0, 0.0]])
     labels = torch.tensor([0, 0, 1, -1, -1, 2])
     g = torch.Generator().manual_seed(0)
     idx = select_pairs(feats, labels, g)

@@ -14,7 +14,7 @@ from .. import __version__
 from .._align import class_centroids, compute_transform
 from .._config import OrcaConfig
 from .._data import prepare
-from .._estimate import _MAX_CELLS, estimate_n_novel, ood_clusters, pca_embedding
+from .._estimate import estimate_n_novel, ood_clusters, pca_embedding, subsample_rows
 from .._model import OrcaModel
 from .._train import infer, train
 
@@ -96,6 +96,7 @@ def annotate(
         (requested / estimated / heads used / found), ``input_scale`` (detected per input),
         ``alignment``, ``history`` (per-epoch losses, uncertainty, margin), ``training``
         (epochs, steps, seconds, device), ``seed`` and ``version``.
+
     """
     fields = {
         "n_novel": n_novel,
@@ -108,11 +109,7 @@ def annotate(
     base = config if config is not None else OrcaConfig()
     if config is not None:  # explicit keywords win only where they differ from the defaults
         defaults = OrcaConfig()
-        fields = {
-            k: v
-            for k, v in fields.items()
-            if k in kwargs or v != getattr(defaults, k)
-        }
+        fields = {k: v for k, v in fields.items() if k in kwargs or v != getattr(defaults, k)}
     cfg = base.replace(**fields)
     adata = adata.copy() if copy else adata
 
@@ -132,7 +129,7 @@ def annotate(
                 pca_embedding, data.X, data.domain, scale, offset, n_comps=30, seed=cfg.seed
             ),
             labels=data.labels,
-            rows=_subsample(data.n_cells, cfg.seed),
+            rows=subsample_rows(data.n_cells, cfg.seed),
             n_novel=cfg.n_novel,
             resolution=cfg.resolution,
             seed=cfg.seed,
@@ -140,14 +137,21 @@ def annotate(
     else:
         if cfg.n_novel == "auto":
             estimate = estimate_n_novel(
-                data.X, data.labels, data.domain, scale, offset, seed=cfg.seed,
+                data.X,
+                data.labels,
+                data.domain,
+                scale,
+                offset,
+                seed=cfg.seed,
                 resolution=cfg.resolution,
             )
         n_heads0 = n_seen + (estimate["n_novel"] if cfg.n_novel == "auto" else int(cfg.n_novel))
     result = train(data.X, data.labels, data.domain, scale, offset, n_heads0, cfg, hook)
     estimate = estimate or result.novel_info
     n_novel_heads = result.net.head.weight.shape[0] - n_seen
-    logger.info("Novel heads: %d (estimated novel types: %s).", n_novel_heads, estimate.get("n_novel"))
+    logger.info(
+        "Novel heads: %d (estimated novel types: %s).", n_novel_heads, estimate.get("n_novel")
+    )
 
     anchor = align_info.get("anchor")
     anchor_rows = data.domain == (anchor if anchor is not None else data.domain[data.labeled][0])
@@ -171,9 +175,7 @@ def annotate(
         head_names[n_seen + h] = f"novel_{rank + 1}"
     model.head_names = head_names
     labels_all = model.labels_for(model.assign_heads(pred.probs))
-    novel_sizes = {
-        head_names[n_seen + h]: int(counts[h]) for h in order
-    }
+    novel_sizes = {head_names[n_seen + h]: int(counts[h]) for h in order}
     model.extra = {"alignment": _jsonable(align_info), "estimate": _jsonable(estimate)}
 
     rows = data.output_rows
@@ -206,9 +208,7 @@ def annotate(
             "input_scale": data.input_scale,
             "alignment": {**align_info, "batches": data.domain_names},
             "data": data.info,
-            "history": {
-                k: np.array([h[k] for h in result.history]) for k in result.history[0]
-            },
+            "history": {k: np.array([h[k] for h in result.history]) for k in result.history[0]},
             "training": {
                 "epochs": result.n_epochs,
                 "steps": result.n_steps,
@@ -224,18 +224,12 @@ def annotate(
     return model if return_model else None
 
 
-def _subsample(n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.arange(n) if n <= _MAX_CELLS else np.sort(rng.choice(n, _MAX_CELLS, replace=False))
-
-
 def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, seed):
     """Prototypes of candidate novel clusters (see :func:`orca_sc._train.train`).
 
     Candidates (:func:`orca_sc._estimate.ood_clusters`) are clusters of the unlabelled cells that
     the warmed-up seen heads do not explain; each novel head starts at the mean embedding of one.
     """
-    n = labels.shape[0]
     rng = np.random.default_rng(seed)
     _, emb = infer(net, data, rows)  # (n_rows, D), L2-normalised
     seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
