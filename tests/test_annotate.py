@@ -197,3 +197,22 @@ def test_tabula_muris_kidney_to_marrow(capsys):
             f"\nTM kidney->marrow: B-lineage not kidney-only {frac:.3f}; macrophages as macrophage {macro}/13"
         )
     assert frac >= 0.8
+
+
+def test_full_matrix_is_never_densified(monkeypatch):
+    """Only row chunks (mini-batches, PCA chunks) are ever made dense, never the whole matrix."""
+    n = 9000  # more than one PCA / inference chunk
+    a = orca_sc.datasets.simulate(n, 200, 4, markers_per_type=20, seed=2)
+    open_world(a, ["type_0", "type_1"])
+    biggest = []
+    for cls in (sp.csr_matrix, sp.csr_array, sp.csc_matrix, sp.coo_matrix):
+        for name in ("toarray", "todense"):
+            orig = getattr(cls, name)
+
+            def spy(self, *args, _orig=orig, **kwargs):
+                biggest.append(self.shape[0])
+                return _orig(self, *args, **kwargs)
+
+            monkeypatch.setattr(cls, name, spy)
+    orca_sc.tl.annotate(a, labels_key="lab", **FAST)
+    assert biggest and max(biggest) < n
