@@ -213,3 +213,31 @@ def test_leiden_on_more_than_4096_cells_finds_blobs():
 
     assert adjusted_rand_score(truth, codes) > 0.95
     np.testing.assert_array_equal(codes, leiden(emb, resolution=0.3, seed=0))  # seeded
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n_genes", 1),
+        ("hidden_dims", (64,)),
+        ("dropout", 1.0),
+        ("epochs", 0),
+        ("min_steps", -1),
+        ("warmup_epochs", -2),
+        ("lr", 0.0),
+        ("resolution", -1.0),
+        ("eta2", -0.1),
+        ("prior", "flat"),
+        ("alignment", "magic"),
+        ("device", "tpu"),
+        ("seed", 1.5),
+    ],
+)
+def test_every_config_field_is_validated(field, value):
+    with pytest.raises(ValueError, match=f"Invalid {field}="):
+        OrcaConfig(**{field: value})
+
+
+def test_loading_a_missing_model_file(tmp_path):
+    with pytest.raises(OrcaInputError, match="does not exist"):
+        orca_sc.OrcaModel.load(tmp_path / "nope.pt")
