@@ -1,10 +1,15 @@
-"""Estimating the number of novel cell types from the data (``n_novel="auto"``).
+"""Candidate novel clusters and the number of novel types (``n_novel="auto"``).
 
-Method: embed all cells (reference and query, after alignment) with PCA, build a kNN graph and
-cluster it with Leiden. A cluster counts as a novel type when it holds at least ``min_size`` cells
-and its fraction of labelled cells is below ``rel_threshold`` times the overall labelled fraction:
-clusters of known types mix labelled and unlabelled cells, clusters of novel types hold (almost)
-only unlabelled ones. The count of such clusters is the estimate.
+Default (after the supervised warm-up), :func:`ood_clusters`: unlabelled cells whose best cosine
+similarity to a seen head is below the 1% quantile of the labelled cells' are clustered with
+Leiden on the PCA of their own expression; clusters of at least :func:`min_cluster_size` cells are
+the candidates, and their number is the estimate.
+
+Without a warm-up (``warmup_epochs=0``), :func:`estimate_n_novel`: Leiden on the PCA of all cells;
+a cluster counts as novel when its fraction of labelled cells is below ``rel_threshold`` times the
+overall labelled fraction (clusters of known types mix labelled and unlabelled cells).
+
+Leiden runs on an exact kNN graph from scikit-learn, on at most 50,000 cells.
 """
 
 from __future__ import annotations
