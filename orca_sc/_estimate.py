@@ -143,11 +143,10 @@ def novel_clusters(
     rel_threshold: float = 0.1,
     min_size: int | None = None,
     seed: int = 0,
-) -> tuple[np.ndarray, list[int]]:
-    """Leiden clusters of ``emb`` that look like novel types.
-
-    Returns ``(assign, sizes)``: ``assign[i]`` is the novel-cluster index of cell ``i`` (``-1`` for
-    cells outside novel clusters), novel clusters ordered by size (largest first).
+) -> list[int]:
+    """Sizes (unlabelled cells, largest first) of the Leiden clusters of ``emb`` that look like
+    novel types: at least ``min_size`` unlabelled cells and a labelled fraction below
+    ``rel_threshold`` times the overall one.
     """
     clusters = leiden(emb, resolution, seed)
     if min_size is None:
@@ -158,12 +157,8 @@ def novel_clusters(
         in_c = clusters == c
         n_c_unl = int((in_c & ~labeled).sum())
         if n_c_unl >= min_size and labeled[in_c].mean() < rel_threshold * frac_all:
-            found.append((n_c_unl, c))
-    found.sort(key=lambda t: -t[0])
-    assign = np.full(emb.shape[0], -1, dtype=np.int64)
-    for rank, (_, c) in enumerate(found):
-        assign[(clusters == c) & ~labeled] = rank
-    return assign, [n for n, _ in found]
+            found.append(n_c_unl)
+    return sorted(found, reverse=True)
 
 
 def estimate_n_novel(
@@ -181,5 +176,5 @@ def estimate_n_novel(
     """
     rows = subsample_rows(X.shape[0], seed)
     emb = pca_embedding(X, domain, scale, offset, seed=seed, rows=rows)
-    _, sizes = novel_clusters(emb, labels[rows] >= 0, seed=seed, **kwargs)
+    sizes = novel_clusters(emb, labels[rows] >= 0, seed=seed, **kwargs)
     return {"n_novel": len(sizes), "cluster_sizes": sizes, "space": "pca"}
