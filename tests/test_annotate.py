@@ -216,3 +216,11 @@ def test_full_matrix_is_never_densified(monkeypatch):
             monkeypatch.setattr(cls, name, spy)
     orca_sc.tl.annotate(a, labels_key="lab", **FAST)
     assert biggest and max(biggest) < n
+
+
+def test_auto_n_novel_without_warmup_uses_pca_estimate(small_sim):
+    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **{**FAST, "warmup_epochs": 0})
+    u = a.uns["orca"]
+    assert u["estimate"]["space"] == "pca"
+    assert u["n_novel"]["estimated"] == 2  # the fixture has 2 novel types
+    assert u["n_novel"]["heads"] == 2
