@@ -1,5 +1,5 @@
-"""``python -m orca_sc``: run the built-in example."""
+"""``python -m orca_sc``: the ``orca-sc`` command line."""
 
-from ._demo import main
+from .cli import main
 
-main()
+main(prog_name="orca-sc")

@@ -50,6 +50,43 @@ def class_centroids(X: sp.csr_matrix, labels: np.ndarray, n_classes: int) -> np.
     return (sums / np.maximum(counts, 1)[:, None]).astype(np.float32)
 
 
+def aligned_group_means(
+    X: sp.csr_matrix,
+    groups: np.ndarray,
+    n_groups: int,
+    domain: np.ndarray,
+    scale: np.ndarray,
+    offset: np.ndarray,
+) -> np.ndarray:
+    """Mean of ``x * scale[d] + offset[d]`` over the cells of each group (``groups < 0``: none).
+
+    Computed from per-(group, batch) means of the sparse matrix, so nothing is densified.
+    """
+    n_dom = scale.shape[0]
+    rows = np.flatnonzero(groups >= 0)
+    pair = groups[rows] * n_dom + domain[rows]
+    ind = sp.csr_matrix((np.ones(rows.size), (pair, rows)), shape=(n_groups * n_dom, X.shape[0]))
+    counts = np.asarray(ind.sum(axis=1)).ravel()  # (n_groups * n_dom,)
+    sums = np.asarray((ind @ X).todense())
+    d_of = np.tile(np.arange(n_dom), n_groups)
+    pair_mean = sums / np.maximum(counts, 1)[:, None] * scale[d_of] + offset[d_of]
+    w = (counts * 1.0).reshape(n_groups, n_dom)
+    tot = np.maximum(w.sum(axis=1, keepdims=True), 1)
+    return np.einsum("gd,gdj->gj", w / tot, pair_mean.reshape(n_groups, n_dom, -1))
+
+
+def profile_similarity(a: np.ndarray, b: np.ndarray, center: np.ndarray) -> np.ndarray:
+    """Pearson-like similarity of expression profiles ``a (m, G)`` and ``b (k, G)``, after
+    subtracting ``center`` (the mean known-type profile), so shared housekeeping expression does
+    not make every pair look alike. Returns ``(m, k)`` in [-1, 1].
+    """
+    A = a - center
+    B = b - center
+    A /= np.maximum(np.linalg.norm(A, axis=1, keepdims=True), 1e-12)
+    B /= np.maximum(np.linalg.norm(B, axis=1, keepdims=True), 1e-12)
+    return A @ B.T
+
+
 def centroid_shift(
     Xq: sp.csr_matrix,
     centroids: np.ndarray,

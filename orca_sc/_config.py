@@ -147,6 +147,12 @@ class OrcaConfig:
         for name in ("min_steps", "warmup_epochs"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, getattr(self, name), "a non-negative integer")
+        if self.warmup_epochs >= self.epochs:
+            bad(
+                "warmup_epochs",
+                self.warmup_epochs,
+                f"smaller than epochs={self.epochs} (the open-world phase follows the warm-up)",
+            )
         if self.batch_size < 2:
             bad("batch_size", self.batch_size, "at least 2 (BatchNorm needs two cells)")
         for name in ("lr", "target_sum", "resolution"):

@@ -246,6 +246,10 @@ def prepare(
     of ``config.unlabeled_category``) are the reference and the other cells the query.
     """
     what_q = "query" if reference is not None else "AnnData"
+    for obj, what in ((reference, "reference"), (adata, what_q)):
+        if obj is not None and obj.n_obs == 0:
+            msg = f"The {what} has no cells (n_obs = 0); pass an AnnData with at least one cell."
+            raise OrcaInputError(msg)
     check_unique_genes(adata.var_names, what_q)
     Xq = get_matrix(adata, config.layer, what_q)
     Xq, scale_q = to_log_normalized(Xq, config.target_sum)
@@ -259,7 +263,7 @@ def prepare(
         X = Xq
         genes = adata.var_names.astype(str).tolist()
         if config.batch_key is not None:
-            domain_raw = _batch_column(adata, config.batch_key, what_q)
+            domain_raw = batch_column(adata, config.batch_key, what_q)
         else:
             domain_raw = np.full(adata.n_obs, "data", dtype=object)
         output_rows = np.arange(adata.n_obs)
@@ -293,8 +297,8 @@ def prepare(
         if config.batch_key is not None:
             domain_raw = np.concatenate(
                 [
-                    _batch_column(reference, config.batch_key, "reference")[keep],
-                    _batch_column(adata, config.batch_key, what_q),
+                    batch_column(reference, config.batch_key, "reference")[keep],
+                    batch_column(adata, config.batch_key, what_q),
                 ]
             )
         else:
@@ -326,7 +330,7 @@ def prepare(
     )
 
 
-def _batch_column(adata: Any, batch_key: str, what: str) -> np.ndarray:
+def batch_column(adata: Any, batch_key: str, what: str) -> np.ndarray:
     if batch_key not in adata.obs.columns:
         cols = ", ".join(map(repr, adata.obs.columns)) or "none"
         msg = f"batch_key {batch_key!r} is not a column of the {what}'s obs; columns: {cols}."

@@ -32,11 +32,24 @@ def run_demo(seed: int = 0, progress: bool = True) -> dict:
     return {"adata": adata, "report": metrics.report(adata, "bulk_labels")}
 
 
-def main() -> None:
-    out = run_demo()
-    rep, adata = out["report"], out["adata"]
-    print(f"pbmc68k_reduced: {adata.n_obs} cells; hidden types: {', '.join(DEMO_NOVEL)}")
-    print(adata.obs["orca_label"].value_counts().to_string())
-    for k in ("seen_accuracy", "novel_accuracy", "novel_nmi", "all_accuracy"):
-        print(f"{k:>15}: {rep[k]:.3f}")
-    print(f"novel clusters found: {rep['n_novel_found']} (true novel types: {rep['n_novel_true']})")
+def umap_figure(adata, truth_key: str = "bulk_labels"):
+    """UMAP of the ORCA embedding coloured by the truth and by ``orca_label`` (a matplotlib Figure).
+
+    Adds ``obsp`` neighbours and ``obsm['X_umap']`` to ``adata``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never opens a window
+    import scanpy as sc
+
+    sc.pp.neighbors(adata, use_rep="X_orca", random_state=0)
+    sc.tl.umap(adata, random_state=0)
+    fig = sc.pl.umap(
+        adata,
+        color=[truth_key, "orca_label"],
+        title=[f"truth ({truth_key})", "ORCA (orca_label)"],
+        wspace=0.45,
+        show=False,
+        return_fig=True,
+    )
+    return fig

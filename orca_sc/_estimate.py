@@ -70,7 +70,8 @@ def knn_graph(emb: np.ndarray, n_neighbors: int = 15) -> sp.csr_matrix:
 
     n = emb.shape[0]
     k = min(n_neighbors, n - 1)
-    idx = NearestNeighbors(n_neighbors=k + 1).fit(emb).kneighbors(return_distance=False)[:, :k]
+    # kneighbors() without X excludes each point itself
+    idx = NearestNeighbors(n_neighbors=k).fit(emb).kneighbors(return_distance=False)
     rows = np.repeat(np.arange(n), k)
     A = sp.csr_matrix((np.ones(rows.size, dtype=np.float32), (rows, idx.ravel())), shape=(n, n))
     A = A.maximum(A.T).tocsr()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,13 @@ import torch
 from . import __version__
 from ._align import centroid_shift, identity, standardize
 from ._config import OrcaConfig
-from ._data import OrcaInputError, check_unique_genes, get_matrix, to_log_normalized
+from ._data import (
+    OrcaInputError,
+    batch_column,
+    check_unique_genes,
+    get_matrix,
+    to_log_normalized,
+)
 from ._train import DeviceCSR, infer, resolve_device
 from .module import OrcaNet
 
@@ -90,13 +97,37 @@ class OrcaModel:
         names = np.array([n if n is not None else "" for n in self.head_names], dtype=object)
         return names[head]
 
-    def predict(self, adata: Any, *, layer: str | None = None, device: str | None = None):
+    @property
+    def novel_names(self) -> list[str]:
+        """Names of the novel clusters (kept novel heads): ``novel_1`` (largest), ``novel_2``, ..."""
+        names = [n for n in self.head_names[len(self.classes) :] if n is not None]
+        return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]))
+
+    def novel_similarity(self) -> dict[str, Any]:
+        """Expression similarity of each novel cluster to every known type (computed at training:
+        centred correlation of the cluster's mean aligned expression with each reference type's),
+        to say which known types a discovered cluster resembles (MARS-style naming).
+
+        ``{"clusters": [names], "types": [known types], "similarity": n_clusters x n_types}``.
+        """
+        empty = {"clusters": [], "types": list(self.classes), "similarity": []}
+        return dict(self.extra.get("novel_similarity", empty))
+
+    def predict(
+        self,
+        adata: Any,
+        *,
+        layer: str | None = None,
+        batch_key: str | None = None,
+        device: str | None = None,
+    ):
         """Apply the model to new cells without retraining.
 
         Genes are aligned by name; genes of the model missing from ``adata`` are set to zero (an
-        error when fewer than half are present). The batch shift of the new data is corrected the
-        same way as during training (``config.alignment``), against the stored reference
-        centroids. Returns ``(labels, prediction, info)``.
+        error when fewer than half are present). The batch shift of the new data (of each batch
+        in ``obs[batch_key]``, if given) is corrected the same way as during training
+        (``config.alignment``), against the stored reference centroids. Returns
+        ``(labels, prediction, info)``.
         """
         check_unique_genes(adata.var_names, "data to predict")
         X = get_matrix(adata, layer if layer is not None else self.config.layer, "data to predict")
@@ -124,8 +155,15 @@ class OrcaModel:
             shape=(X.shape[1], len(self.genes)),
         )
         Xg = (X @ sel).tocsr()
-        domain = np.zeros(Xg.shape[0], dtype=np.int64)
-        scale, offset = self._transform_new(Xg)
+        if batch_key is None:
+            domain = np.zeros(Xg.shape[0], dtype=np.int64)
+            n_domains = 1
+        else:
+            batches = batch_column(adata, batch_key, "data to predict")
+            _, domain = np.unique(batches.astype(str), return_inverse=True)
+            domain = domain.astype(np.int64)
+            n_domains = int(domain.max()) + 1
+        scale, offset = self._transform_new(Xg, domain, n_domains)
         pred = self.predict_arrays(Xg, domain, scale, offset, device)
         labels = self.labels_for(pred.head)
         info = {
@@ -135,12 +173,15 @@ class OrcaModel:
         }
         return labels, pred, info
 
-    def _transform_new(self, X: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
+    def _transform_new(
+        self, X: sp.csr_matrix, domain: np.ndarray, n_domains: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         if self.config.alignment == "standardize":
-            return standardize(X, np.zeros(X.shape[0], dtype=np.int64), 1)
-        scale, offset = identity(1, X.shape[1])
+            return standardize(X, domain, n_domains)
+        scale, offset = identity(n_domains, X.shape[1])
         if self.config.alignment == "centroid":
-            offset[0] = centroid_shift(X, self.centroids)
+            for d in range(n_domains):
+                offset[d] = centroid_shift(X[domain == d], self.centroids)
         return scale, offset
 
     # ------------------------------------------------------------------------------- save/load
@@ -182,7 +223,9 @@ class OrcaModel:
             msg = f"Model file {str(path)!r} does not exist."
             raise OrcaInputError(msg)
         try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's notes on foreign pickle protocols
+                payload = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
             msg = (
                 f"Cannot read model file {str(path)!r}: it is not an orca_sc model or it is corrupt "

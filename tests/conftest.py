@@ -23,4 +23,4 @@ def small_sim():
     return open_world(a, ["type_0", "type_1", "type_2"])
 
 
-FAST = {"n_genes": None, "epochs": 5, "min_steps": 30, "warmup_epochs": 1, "progress": False}
+FAST = {"n_genes": None, "epochs": 5, "min_steps": 150, "warmup_epochs": 1, "progress": False}

@@ -224,3 +224,30 @@ def test_auto_n_novel_without_warmup_uses_pca_estimate(small_sim):
     assert u["estimate"]["space"] == "pca"
     assert u["n_novel"]["estimated"] == 2  # the fixture has 2 novel types
     assert u["n_novel"]["heads"] == 2
+
+
+def test_tl_predict_and_similarity_of_novel_clusters(small_sim, tmp_path):
+    """tl.predict writes the annotate fields; a batch column aligns each batch separately."""
+    model = orca_sc.tl.annotate(small_sim, labels_key="lab", return_model=True, **FAST)
+    model.save(tmp_path / "m.pt")
+    out = orca_sc.tl.predict(small_sim, str(tmp_path / "m.pt"), key_added="pred", copy=True)
+    assert "pred_label" not in small_sim.obs
+    assert (out.obs["pred_label"] == small_sim.obs["orca_label"]).all()
+    assert out.uns["pred"]["mode"] == "predict"
+    # two batches, the second shifted in expression: alignment per batch keeps the labels
+    shifted = small_sim.copy()
+    shifted.obs["sample"] = np.where(np.arange(shifted.n_obs) % 2, "a", "b")
+    b = (shifted.obs["sample"] == "b").to_numpy()
+    X = shifted.X.toarray()
+    X[b] += np.random.default_rng(0).poisson(0.3, size=X[b].shape)  # ambient counts in batch b
+    shifted.X = sp.csr_matrix(X)
+    orca_sc.tl.predict(shifted, model, batch_key="sample")
+    agree = (shifted.obs["orca_label"] == small_sim.obs["orca_label"]).mean()
+    assert agree >= 0.9
+    with pytest.raises(OrcaInputError, match="batch_key 'nope'"):
+        orca_sc.tl.predict(shifted, model, batch_key="nope")
+    # which known types each novel cluster resembles: a (clusters x types) table
+    sim = small_sim.uns["orca"]["novel_similarity"]
+    assert list(sim["clusters"]) == list(small_sim.uns["orca"]["novel_cluster_sizes"])
+    assert np.asarray(sim["similarity"]).shape == (len(sim["clusters"]), 3)
+    assert np.all(np.abs(np.asarray(sim["similarity"])) <= 1.0 + 1e-6)

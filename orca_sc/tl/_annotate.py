@@ -11,7 +11,12 @@ import pandas as pd
 import torch
 
 from .. import __version__
-from .._align import class_centroids, compute_transform
+from .._align import (
+    aligned_group_means,
+    class_centroids,
+    compute_transform,
+    profile_similarity,
+)
 from .._config import OrcaConfig
 from .._data import prepare
 from .._estimate import estimate_n_novel, ood_clusters, pca_embedding, subsample_rows
@@ -176,28 +181,31 @@ def annotate(
     model.head_names = head_names
     labels_all = model.labels_for(model.assign_heads(pred.probs))
     novel_sizes = {head_names[n_seen + h]: int(counts[h]) for h in order}
-    model.extra = {"alignment": _jsonable(align_info), "estimate": _jsonable(estimate)}
+    similarity = _novel_similarity(data, scale, offset, model.assign_heads(pred.probs), head_names)
+    model.extra = {
+        "alignment": _jsonable(align_info),
+        "estimate": _jsonable(estimate),
+        "novel_similarity": similarity,
+        "version": __version__,
+    }
 
     rows = data.output_rows
-    out_labels = labels_all[rows]
-    novel_names = [f"novel_{i + 1}" for i in range(len(order))]
-    categories = [c for c in data.classes if c in set(out_labels)] + [
-        n for n in novel_names if n in set(out_labels)
-    ]
-    adata.obs[f"{key_added}_label"] = pd.Categorical(out_labels, categories=categories)
-    is_novel = np.isin(out_labels, novel_names)
-    adata.obs[f"{key_added}_novel"] = pd.Categorical(
-        np.where(is_novel, out_labels, None),
-        categories=[n for n in novel_names if n in set(out_labels)],
+    write_fields(
+        adata,
+        key_added,
+        labels_all[rows],
+        pred.confidence[rows],
+        pred.embedding[rows],
+        classes=data.classes,
+        novel_names=[f"novel_{i + 1}" for i in range(len(order))],
     )
-    adata.obs[f"{key_added}_confidence"] = pred.confidence[rows].astype(np.float32)
-    adata.obsm[f"X_{key_added}"] = pred.embedding[rows]
     adata.uns[key_added] = _jsonable(
         {
             "params": {"labels_key": labels_key, **cfg.to_dict()},
             "mode": "single" if reference is None else "reference",
             "seen_classes": list(data.classes),
             "novel_cluster_sizes": novel_sizes,
+            "novel_similarity": model.novel_similarity(),
             "n_novel": {
                 "requested": str(cfg.n_novel),
                 "estimated": estimate.get("n_novel", -1),
@@ -222,6 +230,51 @@ def annotate(
     if copy:
         return (adata, model) if return_model else adata
     return model if return_model else None
+
+
+def _novel_similarity(data, scale, offset, head, head_names) -> dict[str, Any]:
+    """Centred expression correlation of each novel cluster (its unlabelled cells) with each known
+    type (its labelled cells), both after batch alignment.
+
+    Stored as ``{"clusters": [...], "types": [...], "similarity": (n_clusters, n_types)}``: cell
+    type names may contain "/" and so cannot be keys of an h5ad group.
+    """
+    n_seen = len(data.classes)
+    n_heads = len(head_names)
+    groups = np.where(data.labeled, data.labels, np.where(head >= n_seen, head, -1))
+    means = aligned_group_means(data.X, groups, n_heads, data.domain, scale, offset)
+    known = means[:n_seen]
+    sims = profile_similarity(means[n_seen:], known, known.mean(axis=0))
+    kept = [j for j, name in enumerate(head_names[n_seen:]) if name is not None]
+    order = sorted(kept, key=lambda j: int(str(head_names[n_seen + j]).split("_")[1]))
+    return {
+        "clusters": [head_names[n_seen + j] for j in order],
+        "types": list(data.classes),
+        "similarity": np.round(sims[order], 4).tolist(),
+    }
+
+
+def write_fields(
+    adata: Any,
+    key_added: str,
+    labels: np.ndarray,
+    confidence: np.ndarray,
+    embedding: np.ndarray,
+    *,
+    classes: list[str],
+    novel_names: list[str],
+) -> None:
+    """Write ``obs['{key}_label' | '{key}_novel' | '{key}_confidence']`` and ``obsm['X_{key}']``."""
+    present = set(labels)
+    categories = [c for c in classes if c in present] + [n for n in novel_names if n in present]
+    adata.obs[f"{key_added}_label"] = pd.Categorical(labels, categories=categories)
+    is_novel = np.isin(labels, novel_names)
+    adata.obs[f"{key_added}_novel"] = pd.Categorical(
+        np.where(is_novel, labels, None),
+        categories=[n for n in novel_names if n in present],
+    )
+    adata.obs[f"{key_added}_confidence"] = np.asarray(confidence, dtype=np.float32)
+    adata.obsm[f"X_{key_added}"] = np.asarray(embedding, dtype=np.float32)
 
 
 def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, seed):
