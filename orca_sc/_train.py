@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,7 +167,16 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
     opt = torch.optim.Adam(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch, n_epochs, warmup = _schedule(X.shape[0], config)
     history: list[dict] = []
-    bar = tqdm(range(n_epochs), desc="ORCA", unit="epoch", disable=not config.progress, leave=False)
+    # in a log file (stderr not a terminal) refresh every 10 s instead of many times a second
+    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    bar = tqdm(
+        range(n_epochs),
+        desc="ORCA",
+        unit="epoch",
+        disable=not config.progress,
+        leave=False,
+        mininterval=0.1 if tty else 10.0,
+    )
     n_steps = 0
     novel_info: dict = {}
     prior = None  # uniform
@@ -227,7 +237,7 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
             "seconds": time.perf_counter() - t_epoch,
         }
         history.append(rec)
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", u=f"{u:.3f}")
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", u=f"{u:.3f}", refresh=False)
     bar.close()
     net.eval()
     return TrainResult(net, history, n_epochs, n_steps, 0.0, str(device), novel_info)
