@@ -1,4 +1,6 @@
-"""Accuracy of ``orca_sc.tl.annotate`` on the real tasks of ``../shared/data`` (see its README).
+"""Accuracy of ``orca_sc.tl.annotate`` on the real tasks of ``../shared/data`` (see its README),
+with ``OrcaConfig`` overrides, for developing the core (the tasks are ``orca_sc.benchmark``'s;
+``orca-sc benchmark`` compares against baselines).
 
 Usage: ``python benchmarks/real_tasks.py [--data DIR] [--seeds 0 1 2] [--set key=value ...]``
 Prints one row per task (mean over seeds) and writes ``reports/real_tasks.csv``.
@@ -13,64 +15,12 @@ import warnings
 from pathlib import Path
 
 import anndata as ad
-import numpy as np
 import pandas as pd
 
 import orca_sc
+from orca_sc.benchmark import builtin_tasks
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def _protocol(adata, seed, seen_frac=0.5, lab_frac=0.5, key="cell_type"):
-    """Paper §4.1: half of the classes seen, half of each seen class labelled."""
-    rng = np.random.default_rng(seed)
-    classes = np.array(sorted(adata.obs[key].astype(str).unique()))
-    seen = rng.choice(classes, int(round(seen_frac * len(classes))), replace=False)
-    truth = adata.obs[key].astype(str).to_numpy()
-    lab = np.isin(truth, seen) & (rng.random(adata.n_obs) < lab_frac)
-    adata.obs["orca_input"] = pd.Series(np.where(lab, truth, None), index=adata.obs_names)
-    adata.obs["truth"] = truth
-    return adata, None, "orca_input"
-
-
-def tasks(data_dir: Path, seed: int):
-    """Yield (name, query, reference, labels_key)."""
-    f = data_dir / "tm_facs_scfind.h5ad"
-    if f.exists():
-        a = ad.read_h5ad(f)
-        a = a[a.obs.cell_type != "unannotated"].copy()
-        a.obs["truth"] = a.obs.cell_type.astype(str)
-        yield (
-            "tm_kidney_to_marrow",
-            a[a.obs.tissue == "Marrow"].copy(),
-            a[a.obs.tissue == "Kidney"].copy(),
-            "cell_type",
-        )
-    f = data_dir / "baron_mouse.h5ad"
-    if f.exists():
-        a = ad.read_h5ad(f)
-        a.obs["truth"] = a.obs.cell_type.astype(str)
-        novel = ["ductal", "endothelial", "quiescent_stellate", "macrophage"]
-        ref = a[(a.obs.batch == "mouse1") & ~a.obs.cell_type.isin(novel)].copy()
-        yield "baron_mouse1_to_mouse2", a[a.obs.batch == "mouse2"].copy(), ref, "cell_type"
-    f = data_dir / "scannotate_pbmc.h5ad"
-    if f.exists():
-        a = ad.read_h5ad(f)
-        a.obs["truth"] = a.obs.cell_type.astype(str)
-        ref = a[(a.obs.batch == "Drop-seq") & (a.obs.cell_type != "B cell")].copy()
-        yield "pbmc_dropseq_to_indrops", a[a.obs.batch == "inDrops"].copy(), ref, "cell_type"
-    for name in ("mca_bladder", "worm_neuron"):
-        f = data_dir / f"{name}.h5ad"
-        if f.exists():
-            q, r, k = _protocol(ad.read_h5ad(f), seed)
-            yield f"{name}_protocol", q, r, k
-    import scanpy as sc
-
-    p = sc.datasets.pbmc68k_reduced()
-    p = p.raw.to_adata()
-    p.obs["cell_type"] = p.obs["bulk_labels"].astype(str)
-    q, r, k = _protocol(p, seed)
-    yield "pbmc68k_protocol", q, r, k
 
 
 def main() -> None:
@@ -93,21 +43,30 @@ def main() -> None:
             overrides[k] = v
     rows = []
     for seed in args.seeds:
-        for name, q, r, key in tasks(args.data, seed):
+        for spec in builtin_tasks(args.data):
+            name = spec.name
             if args.only and not any(o in name for o in args.only):
                 continue
+            task = spec.make(seed)
             kw = dict(overrides)
             if args.true_n_novel:
-                seen = (
-                    set(r.obs[key].dropna().astype(str))
-                    if r is not None
-                    else set(q.obs[key].dropna().astype(str))
-                )
-                kw["n_novel"] = len(set(q.obs["truth"]) - seen)
+                kw["n_novel"] = len(task.novel)
             t0 = time.perf_counter()
+            q, key = task.query, task.labels_key
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                orca_sc.tl.annotate(q, r, labels_key=key, seed=seed, progress=False, **kw)
+                if task.single:  # the paper's protocol: one AnnData, query cells unlabelled
+                    q = ad.concat([task.reference, task.query], join="inner", merge="same")
+                    q.obs_names_make_unique()
+                    labs = list(task.reference.obs[key].astype(str)) + [None] * task.query.n_obs
+                    q.obs[key] = pd.Series(labs, index=q.obs_names, dtype=object)
+                    q.obs["truth"] = list(task.reference.obs[key].astype(str)) + list(task.truth)
+                    orca_sc.tl.annotate(q, labels_key=key, seed=seed, progress=False, **kw)
+                else:
+                    q.obs["truth"] = task.truth
+                    orca_sc.tl.annotate(
+                        q, task.reference, labels_key=key, seed=seed, progress=False, **kw
+                    )
             rep = orca_sc.metrics.report(q, "truth")
             u = q.uns["orca"]
             row = {

@@ -18,29 +18,7 @@ import numpy as np
 import torch
 
 import orca_sc
-
-
-def matmul_gflops(m: int, k: int, n: int, reps: int = 20) -> float:
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    a @ b
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e9
-
-
-def flops_per_cell_epoch(g: int, h1: int, h2: int, k: int, batch: int, unl_frac: float) -> float:
-    """FLOPs one cell costs per epoch of the full objective.
-
-    Two forward passes (two dropout views): 2*(G*h1 + h1*h2 + h2*K) multiply-adds each; backward
-    ~2x forward except the first layer, which needs no gradient w.r.t. its input (1x); pair
-    selection: a B x B x h2 similarity per batch, i.e. B*h2 per cell; the uncertainty pass: one
-    forward pass over unlabelled cells.
-    """
-    fwd = 2 * (g * h1 + h1 * h2 + h2 * k)
-    bwd = 2 * g * h1 + 2 * 2 * (h1 * h2 + h2 * k)
-    pairs = 2 * batch * h2
-    return 2 * (fwd + bwd) + pairs + unl_frac * fwd
+from orca_sc.benchmark import flops_per_cell_epoch, matmul_gflops
 
 
 def main() -> None:

@@ -582,5 +582,201 @@ def demo(ctx, outdir, seed, quiet):
     click.echo(f"Wrote {h5} and {png}")
 
 
+def _csv_list(value: str | None, cast=str) -> list | None:
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        return [cast(v) for v in items]
+    except ValueError:
+        raise CliError(
+            f"expected a comma-separated list of {cast.__name__}s, got {value!r}."
+        ) from None
+
+
+@main.command()
+@click.option(
+    "--outdir",
+    default="orca_benchmark",
+    show_default=True,
+    help="Directory for report.md, CSVs and plots.",
+)
+@click.option(
+    "--data-dir",
+    default=None,
+    help="Directory with the shared real datasets (tasks for the files found there).",
+)
+@click.option("--task", "tasks", multiple=True, help="Run only these built-in tasks (repeatable).")
+@click.option(
+    "--h5ad",
+    default=None,
+    help="Benchmark on your own labelled h5ad instead of the built-in tasks.",
+)
+@click.option("--labels-key", default=None, help="With --h5ad: obs column with the cell types.")
+@click.option(
+    "--batch-key",
+    default=None,
+    help="With --h5ad: obs column with batches/tissues (cross-batch split).",
+)
+@click.option(
+    "--reference-batches", default=None, help="With --batch-key: comma-separated reference batches."
+)
+@click.option(
+    "--seen-fraction",
+    default=0.5,
+    show_default=True,
+    type=float,
+    help="Protocol split: fraction of classes seen.",
+)
+@click.option(
+    "--labeled-fraction",
+    default=0.5,
+    show_default=True,
+    type=float,
+    help="Protocol split: fraction of each seen class labelled.",
+)
+@click.option(
+    "--seen-classes",
+    default=None,
+    help="Protocol split: comma-separated seen classes (instead of drawing them).",
+)
+@click.option(
+    "--novel-classes",
+    default=None,
+    help="Cross-batch split: classes hidden from the reference (comma-separated).",
+)
+@click.option(
+    "--method", "methods", multiple=True, help="Run only these methods (repeatable; see report)."
+)
+@click.option("--seeds", default="0,1,2", show_default=True, help="Comma-separated seeds.")
+@click.option(
+    "--scaling/--no-scaling",
+    default=True,
+    show_default=True,
+    help="Also measure time and memory vs cells.",
+)
+@click.option(
+    "--scaling-sizes",
+    default="10000,30000,100000,300000",
+    show_default=True,
+    help="Cells for the scaling runs.",
+)
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="CI mode: pbmc68k_reduced protocol, one seed, three methods, tiny scaling.",
+)
+@_add(_output_opts)
+@click.pass_context
+def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, reference_batches,
+              seen_fraction, labeled_fraction, seen_classes, novel_classes, methods, seeds, scaling,
+              scaling_sizes, quick, overwrite, quiet):  # fmt: skip
+    """Compare ORCA, its ablations and baselines on open-world tasks; write a report.
+
+    Built-in tasks: the paper's protocol on scanpy's pbmc68k_reduced, plus the shared real
+    datasets found in --data-dir (Tabula Muris kidney -> marrow, pancreas mouse 1 -> mouse 2,
+    PBMC Drop-seq -> inDrops, and the protocol on MCA bladder and worm neurons). With --h5ad,
+    one task from your own data: the protocol split, or a cross-batch split with --batch-key and
+    --reference-batches. Writes OUTDIR/report.md, runs.csv, summary.csv, bars.png and, with
+    scaling, scaling.csv and scaling.png.
+
+    \b
+    Examples:
+      orca-sc benchmark --quick
+      orca-sc benchmark --data-dir ../shared/data --outdir bench
+      orca-sc benchmark --h5ad atlas.h5ad --labels-key cell_type --batch-key tissue \\
+          --reference-batches Kidney --seeds 0,1
+    """
+    import shutil
+    import tempfile
+
+    from . import benchmark as B
+
+    with _errors(ctx), _cli_logging(quiet):
+        seed_list = _csv_list(seeds, int)
+        if not seed_list:
+            raise CliError("--seeds must list at least one seed, e.g. --seeds 0,1,2.")
+        out = Path(outdir)
+        if out.exists() and not out.is_dir():
+            raise CliError(f"--outdir {outdir!r} exists and is not a directory.")
+        if out.is_dir() and (out / "report.md").exists() and not overwrite:
+            raise CliError(
+                f"{outdir!r} already holds a report; pass --overwrite or choose another --outdir."
+            )
+        parent = out.resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise CliError(f"Cannot write into {str(parent)!r}; choose another --outdir.")
+        if data_dir is not None and not Path(data_dir).is_dir():
+            raise CliError(f"--data-dir {data_dir!r} is not a directory.")
+        method_list = list(methods) or (B.QUICK_METHODS if quick else B.DEFAULT_METHODS)
+        unknown = sorted(set(method_list) - set(B.METHODS))
+        if unknown:
+            raise CliError(f"unknown --method {unknown}; available: {', '.join(B.METHODS)}.")
+        sizes = _csv_list(scaling_sizes, int)
+        if quick:
+            seed_list = seed_list[:1]
+            sizes = [1000, 2000]
+        if h5ad is not None:
+            if labels_key is None:
+                raise CliError("--h5ad needs --labels-key naming the cell-type column.")
+            adata = _read_h5ad(h5ad, "Benchmark")
+            name = Path(h5ad).stem
+            if batch_key is not None:
+                refs = _csv_list(reference_batches)
+                if not refs:
+                    raise CliError(
+                        "--batch-key needs --reference-batches, e.g. --reference-batches Kidney."
+                    )
+                B.batch_split(adata, labels_key, batch_key, refs)  # validate now
+                hidden = _csv_list(novel_classes) or ()
+
+                def make(s):
+                    return B.batch_split(
+                        adata, labels_key, batch_key, refs, novel_classes=hidden, seed=s,
+                        name=f"{name}_cross_batch",
+                    )  # fmt: skip
+
+                specs = [B.TaskSpec(f"{name}_cross_batch", "cross-batch", make, h5ad)]
+            else:
+                kw = dict(seen_fraction=seen_fraction, labeled_fraction=labeled_fraction,
+                          seen_classes=_csv_list(seen_classes))  # fmt: skip
+                B.protocol_split(adata, labels_key, **kw)  # validate now
+
+                def make(s):
+                    return B.protocol_split(
+                        adata, labels_key, seed=s, name=f"{name}_protocol", **kw
+                    )
+
+                specs = [B.TaskSpec(f"{name}_protocol", "protocol", make, h5ad)]
+        else:
+            specs = B.builtin_tasks(None if quick else data_dir)
+            if quick:
+                specs = [s for s in specs if s.name == "pbmc68k_protocol"]
+            if tasks:
+                missing = sorted(set(tasks) - {s.name for s in specs})
+                if missing:
+                    avail = ", ".join(s.name for s in specs)
+                    raise CliError(
+                        f"unknown --task {missing}; available here: {avail} (more with --data-dir)."
+                    )
+                specs = [s for s in specs if s.name in tasks]
+        result = B.run_benchmark(specs, method_list, seed_list, progress=not quiet)
+        if scaling and sizes:
+            result.scaling = B.run_scaling(
+                sizes, n_genes=500 if quick else 2000, progress=not quiet
+            )
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        try:
+            paths = B.write_report(result, tmp)
+            out.mkdir(exist_ok=True)
+            for p in paths.values():
+                os.replace(p, out / p.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    click.echo((out / "report.md").read_text())
+    click.echo(f"Wrote {out}/: " + ", ".join(sorted(p.name for p in paths.values())))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

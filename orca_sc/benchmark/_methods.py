@@ -1,0 +1,279 @@
+"""Methods compared by the benchmark: ORCA, its ablations, and baselines from the paper's families.
+
+Every method takes a :class:`~orca_sc.benchmark.Task` and a seed and returns one label per query
+cell: a reference type, or any other string for a novel cluster. Methods that cannot name the
+types they find (plain clustering) set ``names_types=False``; the runner then names their clusters
+with the Hungarian matching over all classes (an oracle advantage, stated in the report).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import pandas as pd
+
+from .._config import OrcaConfig
+from ._splits import Task
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    family: str
+    description: str
+    run: Callable[[Task, int], np.ndarray]
+    names_types: bool = True
+
+
+# ------------------------------------------------------------------------------------------ ORCA
+def _orca(task: Task, seed: int, heads_factor: int | None = None, **config) -> np.ndarray:
+    import anndata as ad
+
+    from ..tl import annotate
+
+    key = task.labels_key
+    if heads_factor is not None:
+        config["n_novel"] = max(1, heads_factor * len(task.novel))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if task.single:
+            # the paper's protocol: labelled and unlabelled cells of one dataset, one AnnData
+            both = ad.concat([task.reference, task.query], join="inner", merge="same")
+            both.obs_names_make_unique()
+            labels = list(task.reference.obs[key].astype(str)) + [None] * task.query.n_obs
+            both.obs[key] = pd.Series(labels, index=both.obs_names, dtype=object)
+            annotate(both, labels_key=key, seed=seed, progress=False, **config)
+            out = both.obs["orca_label"].astype(str).to_numpy()[task.reference.n_obs :]
+        else:
+            q = task.query.copy()
+            annotate(q, task.reference, labels_key=key, seed=seed, progress=False, **config)
+            out = q.obs["orca_label"].astype(str).to_numpy()
+    return out
+
+
+# ------------------------------------------------------------------------------------- baselines
+@dataclass
+class _Features:
+    """Shared preprocessing for the baselines (as for ORCA): log-normalised, 2,000 HVGs chosen
+    on reference and query together, genes matched by name.
+    """
+
+    X_ref: object
+    X_query: object
+    y_ref: np.ndarray  # class names
+
+
+def _features(task: Task, n_genes: int = 2000) -> _Features:
+    from .._data import prepare
+
+    data = prepare(task.query, task.reference, task.labels_key, OrcaConfig(n_genes=n_genes))
+    lab = data.labels >= 0
+    classes = np.asarray(data.classes, dtype=object)
+    return _Features(data.X[lab], data.X[data.output_rows], classes[data.labels[lab]])
+
+
+def _pca(X_fit, X_apply: list, n_comps: int, seed: int) -> list[np.ndarray]:
+    """Scanpy's usual recipe (scale genes to unit variance, clip at 10, PCA) fitted on ``X_fit``
+    (at most 10,000 cells) and applied to each matrix of ``X_apply`` in dense chunks.
+    """
+    from sklearn.decomposition import PCA
+
+    rng = np.random.default_rng(seed)
+    n = X_fit.shape[0]
+    rows = np.arange(n) if n <= 10_000 else np.sort(rng.choice(n, 10_000, replace=False))
+    D = X_fit[rows].toarray()
+    mu, sd = D.mean(axis=0), D.std(axis=0)
+    sd[sd == 0] = 1.0
+
+    def z(A):
+        return np.clip((A - mu) / sd, -10, 10)
+
+    k = int(min(n_comps, D.shape[0] - 1, D.shape[1] - 1))
+    pca = PCA(n_components=k, random_state=seed).fit(z(D))
+    out = []
+    for X in X_apply:
+        parts = [pca.transform(z(X[i : i + 8192].toarray())) for i in range(0, X.shape[0], 8192)]
+        out.append(np.vstack(parts).astype(np.float32))
+    return out
+
+
+def _leiden(emb: np.ndarray, seed: int, resolution: float = 1.0) -> np.ndarray:
+    from .._estimate import leiden
+
+    return leiden(emb, resolution, seed)
+
+
+def _kmeans(emb: np.ndarray, k: int, seed: int) -> np.ndarray:
+    from sklearn.cluster import KMeans
+
+    k = int(min(k, emb.shape[0]))
+    return KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(emb)
+
+
+def _reject_and_cluster(pred, reject, emb, cluster) -> np.ndarray:
+    out = np.asarray(pred, dtype=object).copy()
+    idx = np.flatnonzero(reject)
+    if idx.size:
+        codes = cluster(emb[idx]) if idx.size > 2 else np.zeros(idx.size, dtype=np.int64)
+        out[idx] = np.array([f"novel_{c + 1}" for c in codes], dtype=object)
+    return out
+
+
+def lr_oracle_kmeans(task: Task, seed: int) -> np.ndarray:
+    """Logistic regression on the reference; the least confident query cells are rejected with
+    the paper's oracle threshold (rejected fraction = true novel fraction) and clustered with
+    KMeans into the true number of novel types.
+    """
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    f = _features(task)
+    scaler = StandardScaler(with_mean=False).fit(f.X_ref)
+    clf = LogisticRegression(max_iter=1000, C=0.1, random_state=seed)
+    clf.fit(scaler.transform(f.X_ref), f.y_ref)
+    prob = clf.predict_proba(scaler.transform(f.X_query))
+    pred = clf.classes_[prob.argmax(axis=1)]
+    n_reject = int(round(task.novel_fraction * f.X_query.shape[0]))
+    reject = np.zeros(len(pred), dtype=bool)
+    if n_reject and task.novel:
+        reject[np.argsort(prob.max(axis=1), kind="stable")[:n_reject]] = True
+    (emb,) = _pca(f.X_query, [f.X_query], 30, seed)
+    return _reject_and_cluster(pred, reject, emb, lambda e: _kmeans(e, len(task.novel), seed))
+
+
+def knn_transfer(task: Task, seed: int, n_neighbors: int = 15, min_vote: float = 0.5):
+    """Label transfer as ``sc.tl.ingest`` does it: the query is projected on the reference's PCA
+    and takes the majority label of its nearest reference cells; cells whose majority is below
+    ``min_vote`` of the neighbours are rejected and clustered with Leiden.
+
+    Built on scikit-learn because ``sc.tl.ingest`` (scanpy 1.11.5) crashes with pynndescent 0.7.0.
+    """
+    from sklearn.neighbors import NearestNeighbors
+
+    f = _features(task)
+    emb_ref, emb_q = _pca(f.X_ref, [f.X_ref, f.X_query], 50, seed)
+    k = min(n_neighbors, emb_ref.shape[0])
+    idx = NearestNeighbors(n_neighbors=k).fit(emb_ref).kneighbors(emb_q, return_distance=False)
+    classes, codes = np.unique(f.y_ref, return_inverse=True)
+    votes = np.zeros((emb_q.shape[0], classes.size))
+    np.add.at(votes, (np.repeat(np.arange(emb_q.shape[0]), k), codes[idx].ravel()), 1.0)
+    frac = votes.max(axis=1) / k
+    pred = classes[votes.argmax(axis=1)]
+    return _reject_and_cluster(pred, frac < min_vote, emb_q, lambda e: _leiden(e, seed))
+
+
+def cluster_query(task: Task, seed: int, algorithm: str = "leiden") -> np.ndarray:
+    """Novel-class-discovery stand-in: cluster the query alone (Leiden, or KMeans with the true
+    number of classes); clusters are named by the runner's Hungarian matching.
+    """
+    f = _features(task)
+    (emb,) = _pca(f.X_query, [f.X_query], 30, seed)
+    if algorithm == "leiden":
+        codes = _leiden(emb, seed)
+    else:
+        k = len(set(task.truth))
+        codes = _kmeans(emb, k, seed)
+    return np.array([f"cluster_{c}" for c in codes], dtype=object)
+
+
+def celltypist_rejection(task: Task, seed: int) -> np.ndarray:
+    """CellTypist trained on the reference (its SGD mode: one-vs-rest logistic regression, all
+    shared genes); cells without any type above 0.5 in ``prob match`` mode are rejected and
+    clustered with Leiden.
+    """
+    try:
+        import celltypist  # noqa: F401
+    except ImportError as e:
+        msg = "celltypist is not installed (pip install celltypist)"
+        raise MethodUnavailable(msg) from e
+    return _celltypist(task, seed)
+
+
+class MethodUnavailable(RuntimeError):
+    """A baseline cannot run in this environment (the report says why)."""
+
+
+def _celltypist(task: Task, seed: int) -> np.ndarray:
+    import logging
+
+    import anndata as ad
+    import celltypist
+
+    logging.getLogger("celltypist").setLevel(logging.WARNING)  # its per-step chatter
+    f = _features(task, n_genes=None)
+    genes = [f"g{i}" for i in range(f.X_ref.shape[1])]
+    ref = ad.AnnData(X=f.X_ref, var=pd.DataFrame(index=genes))
+    ref.obs["label"] = f.y_ref
+    query = ad.AnnData(X=f.X_query, var=pd.DataFrame(index=genes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # CellTypist's default solver passes LogisticRegression(multi_class="ovr"), which
+        # scikit-learn 1.8 removed; its SGD mode (one-vs-rest logistic loss) works unchanged
+        model = celltypist.train(
+            ref, labels="label", check_expression=False, use_SGD=True, n_jobs=1,
+            feature_selection=False, max_iter=1000,
+        )  # fmt: skip
+        res = celltypist.annotate(query, model, mode="prob match", p_thres=0.5)
+    labels = res.predicted_labels["predicted_labels"].astype(str).to_numpy()
+    reject = np.isin(labels, ["Unassigned"]) | pd.Series(labels).str.contains("\\|").to_numpy()
+    (emb,) = _pca(f.X_query, [f.X_query], 30, seed)
+    return _reject_and_cluster(labels, reject, emb, lambda e: _leiden(e, seed))
+
+
+# --------------------------------------------------------------------------------------- registry
+def _m(name, family, description, run, names_types=True) -> Method:
+    return Method(name, family, description, run, names_types)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        _m("ORCA", "ORCA", "orca_sc defaults, n_novel='auto'", _orca),
+        _m("ORCA-ZM", "ablation", "zero margin", partial(_orca, margin="zero")),
+        _m("ORCA-FNM", "ablation", "fixed margin 0.5", partial(_orca, margin="fixed")),
+        _m("ORCA w/o sup", "ablation", "no supervised term", partial(_orca, supervised=False)),
+        _m("ORCA w/o reg", "ablation", "no regulariser", partial(_orca, regularizer=False)),
+        _m("ORCA heads x1", "heads", "n_novel = true number", partial(_orca, heads_factor=1)),
+        _m("ORCA heads x2", "heads", "n_novel = 2 x true number", partial(_orca, heads_factor=2)),
+        _m("ORCA heads x4", "heads", "n_novel = 4 x true number", partial(_orca, heads_factor=4)),
+        _m(
+            "LR + oracle reject + KMeans",
+            "baseline",
+            "logistic regression, oracle rejection threshold, KMeans (true k) on rejected",
+            lr_oracle_kmeans,
+        ),
+        _m(
+            "kNN transfer (ingest-like) + Leiden",
+            "baseline",
+            "PCA-projected 15-NN majority vote (< 0.5 rejected), Leiden on rejected",
+            knn_transfer,
+        ),
+        _m(
+            "CellTypist + Leiden",
+            "baseline",
+            "CellTypist, prob match p>0.5, Leiden on unassigned",
+            celltypist_rejection,
+        ),
+        _m(
+            "Leiden on query (NCD stand-in)",
+            "baseline",
+            "Leiden clusters of the query, named by oracle Hungarian matching",
+            cluster_query,
+            names_types=False,
+        ),
+        _m(
+            "KMeans on query (NCD stand-in)",
+            "baseline",
+            "KMeans (true number of classes), named by oracle Hungarian matching",
+            partial(cluster_query, algorithm="kmeans"),
+            names_types=False,
+        ),
+    ]
+}
+
+DEFAULT_METHODS = list(METHODS)
+QUICK_METHODS = ["ORCA", "LR + oracle reject + KMeans", "Leiden on query (NCD stand-in)"]

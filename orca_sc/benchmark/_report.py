@@ -1,0 +1,212 @@
+"""Benchmark output: CSV files, a Markdown report and plots in one directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ._methods import METHODS
+from ._run import METRICS, BenchmarkResult
+
+_LABELS = {"seen_acc": "seen", "novel_acc": "novel", "novel_nmi": "novel NMI", "all_acc": "all"}
+
+
+def _fmt(mean: float, sd: float, n: int) -> str:
+    if mean != mean:  # NaN
+        return "–"
+    return f"{mean:.3f} ± {sd:.3f}" if n > 1 else f"{mean:.3f}"
+
+
+def markdown(result: BenchmarkResult) -> str:
+    s = result.summary
+    st = result.settings
+    lines = [
+        "# orca_sc open-world benchmark",
+        "",
+        f"orca_sc {st.get('version')}; seeds {st.get('seeds')}; torch threads "
+        f"{st.get('torch_threads')} on {st.get('n_cpus')} CPUs. Mean ± sd over seeds. Metrics "
+        "(Cao et al. 2022): seen = accuracy on cells of reference types; novel = accuracy on "
+        "cells of novel types after Hungarian matching; all = Hungarian accuracy over all "
+        "classes; clusters = novel labels produced (true number in brackets); time = wall "
+        "seconds; memory = peak resident memory above the level before the method (MB).",
+        "",
+        "Baselines are stand-ins built on scikit-learn/scanpy and named for what they are: "
+        "*LR + oracle reject + KMeans* is given the true novel fraction (rejection threshold) and "
+        "the true number of novel types; *KMeans/Leiden on query* cannot name types, so their "
+        "clusters are named by the Hungarian matching against the truth (an oracle); *kNN "
+        "transfer (ingest-like)* reimplements `sc.tl.ingest`'s PCA projection + neighbour vote "
+        "because `sc.tl.ingest` crashes with pynndescent 0.7.0.",
+        "",
+    ]
+    if result.unavailable:
+        lines.append("Methods that could not run here:")
+        lines += [f"- **{k}**: {v}" for k, v in result.unavailable.items()]
+        lines.append("")
+    for task, g in s.groupby("task", sort=False):
+        true_k = int(g["novel_true"].iloc[0])
+        lines += [
+            f"## {task}",
+            "",
+            "| method | seen | novel | novel NMI | all | clusters | time (s) | memory (MB) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for _, r in g.iterrows():
+            n = int(r["n_seeds"])
+            cells = [_fmt(r[f"{m}_mean"], r[f"{m}_sd"], n) for m in METRICS]
+            err = f" ({int(r['errors'])} failed)" if r.get("errors", 0) else ""
+            lines.append(
+                f"| {r['method']}{err} | "
+                + " | ".join(cells)
+                + f" | {r['novel_found_mean']:.1f} ({true_k}) | {r['seconds_mean']:.1f} | "
+                f"{r['peak_mb_mean']:.0f} |"
+            )
+        lines.append("")
+    lines += _findings(s)
+    if result.scaling is not None and not result.scaling.empty:
+        lines += ["## Scaling (simulated counts, 2,000 genes)", "", _scaling_table(result.scaling)]
+    lines += ["", "## Methods", ""]
+    lines += [
+        f"- **{name}** ({METHODS[name].family}): {METHODS[name].description}"
+        for name in st.get("methods", [])
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _findings(s: pd.DataFrame) -> list[str]:
+    """Where ORCA does not beat its margin ablations on novel accuracy, or a baseline beats it."""
+    out = ["## Where ORCA does not come first", ""]
+    for task, g in s.groupby("task", sort=False):
+        by = g.set_index("method")
+        if "ORCA" not in by.index:
+            continue
+        orca = by.loc["ORCA"]
+        for other in ("ORCA-ZM", "ORCA-FNM"):
+            if other in by.index and by.loc[other, "novel_acc_mean"] >= orca["novel_acc_mean"]:
+                out.append(
+                    f"- {task}: {other} novel accuracy {by.loc[other, 'novel_acc_mean']:.3f} ≥ "
+                    f"ORCA {orca['novel_acc_mean']:.3f}"
+                )
+        base = by[by["family"] == "baseline"]
+        for m in METRICS:
+            if base.empty or base[f"{m}_mean"].isna().all():
+                continue
+            best = base[f"{m}_mean"].idxmax()
+            if base.loc[best, f"{m}_mean"] > orca[f"{m}_mean"]:
+                out.append(
+                    f"- {task}: {best} beats ORCA on {_LABELS[m]} accuracy "
+                    f"({base.loc[best, f'{m}_mean']:.3f} vs {orca[f'{m}_mean']:.3f})"
+                )
+    if len(out) == 2:
+        out.append("- nowhere in this run")
+    return [*out, ""]
+
+
+def _scaling_table(sc: pd.DataFrame) -> str:
+    lines = [
+        "| method | cells | time (s) | s/epoch | 20 epochs est. (s) | FLOP floor s/epoch | memory (MB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for _, r in sc.iterrows():
+
+        def g(k, fmt, r=r):
+            v = r.get(k, np.nan)
+            return format(v, fmt) if v == v else "–"
+
+        lines.append(
+            f"| {r['method']} | {int(r['n_cells']):,} | {g('seconds', '.1f')} | "
+            f"{g('seconds_per_epoch', '.2f')} | {g('seconds_20_epochs_est', '.0f')} | "
+            f"{g('flop_floor_seconds_per_epoch', '.2f')} | {g('peak_mb', '.0f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_bars(summary: pd.DataFrame, path: Path) -> None:
+    """Grouped bars: one panel per task, metrics grouped, one bar per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(summary["task"]))
+    methods = list(dict.fromkeys(summary["method"]))
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(11, 2.6 * len(tasks)), squeeze=False)
+    width = 0.8 / max(len(methods), 1)
+    cmap = plt.get_cmap("tab20")
+    for ax, task in zip(axes[:, 0], tasks, strict=True):
+        g = summary[summary["task"] == task].set_index("method")
+        for j, m in enumerate(methods):
+            if m not in g.index:
+                continue
+            x = np.arange(len(METRICS)) + (j - len(methods) / 2 + 0.5) * width
+            ax.bar(
+                x,
+                [g.loc[m, f"{k}_mean"] for k in METRICS],
+                width,
+                yerr=[g.loc[m, f"{k}_sd"] for k in METRICS],
+                label=m,
+                color=cmap(j % 20),
+            )
+        ax.set_xticks(np.arange(len(METRICS)), [_LABELS[k] for k in METRICS])
+        ax.set_ylim(0, 1.05)
+        ax.set_title(task, fontsize=10)
+    axes[0, 0].legend(fontsize=7, ncol=3, loc="lower left", bbox_to_anchor=(0, 1.15))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_scaling(sc: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, g in sc.groupby("method", sort=False):
+        col = "seconds_20_epochs_est" if name == "ORCA" else "seconds"
+        label = "ORCA (20 epochs, est.)" if name == "ORCA" else name
+        a1.plot(g["n_cells"], g[col], "o-", label=label)
+        a2.plot(g["n_cells"], g["peak_mb"], "o-", label=name)
+        if name == "ORCA":
+            a1.plot(g["n_cells"], 20 * g["flop_floor_seconds_per_epoch"], "k--",
+                    label="ORCA FLOP floor (20 epochs)")  # fmt: skip
+    for ax, ylab in ((a1, "wall time (s)"), (a2, "peak memory (MB)")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("cells")
+        ax.set_ylabel(ylab)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(result: BenchmarkResult, outdir: str | Path) -> dict[str, Path]:
+    """Write ``runs.csv``, ``summary.csv``, ``report.md``, ``bars.png`` (and scaling files)."""
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "runs": out / "runs.csv",
+        "summary": out / "summary.csv",
+        "report": out / "report.md",
+        "bars": out / "bars.png",
+        "settings": out / "settings.json",
+    }
+    result.runs.to_csv(paths["runs"], index=False)
+    result.summary.to_csv(paths["summary"], index=False)
+    if not result.summary.empty:
+        plot_bars(result.summary, paths["bars"])
+    else:
+        paths.pop("bars")
+    if result.scaling is not None and not result.scaling.empty:
+        paths["scaling"] = out / "scaling.csv"
+        paths["scaling_plot"] = out / "scaling.png"
+        result.scaling.to_csv(paths["scaling"], index=False)
+        plot_scaling(result.scaling, paths["scaling_plot"])
+    settings = {**result.settings, "unavailable": result.unavailable}
+    paths["settings"].write_text(json.dumps(settings, indent=2, default=str) + "\n")
+    paths["report"].write_text(markdown(result))
+    return paths

@@ -1,0 +1,216 @@
+"""Run methods on tasks over seeds; collect metrics, wall time and peak memory; write the report."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .. import __version__, metrics
+from ._methods import METHODS, Method, MethodUnavailable
+from ._tasks import TaskSpec
+
+logger = logging.getLogger(__name__)
+
+METRICS = ["seen_acc", "novel_acc", "novel_nmi", "all_acc"]
+
+
+# ------------------------------------------------------------------------------------- memory
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):  # not Linux: peak RSS so far (monotone)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakMemory:
+    """Peak resident memory above the level at entry, sampled every ``interval`` seconds.
+
+    Resident memory covers numpy, scipy and torch allocations alike (``tracemalloc`` misses
+    torch's). ``peak_mb`` is available after the ``with`` block.
+    """
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.peak_mb = 0.0
+
+    def __enter__(self) -> PeakMemory:
+        self._start = _rss_bytes()
+        self._peak = self._start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak = max(self._peak, _rss_bytes())
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, _rss_bytes())
+        self.peak_mb = (self._peak - self._start) / 2**20
+
+
+# ------------------------------------------------------------------------------------ scoring
+def score(truth: np.ndarray, pred: np.ndarray, seen: Sequence[str], names_types: bool) -> dict:
+    """The paper's metrics; clusters of methods that cannot name types get oracle names first."""
+    pred = np.asarray(pred, dtype=object).astype(str)
+    if not names_types:
+        mapping = metrics.hungarian_match(truth, pred)
+        seen_set = set(seen)
+        pred = np.array(
+            [mapping[p] if mapping.get(p) in seen_set else f"novel:{p}" for p in pred],
+            dtype=object,
+        )
+    found = sorted(set(pred) - set(seen))
+    return {
+        "seen_acc": metrics.seen_accuracy(truth, pred, seen),
+        "novel_acc": metrics.novel_accuracy(truth, pred, seen),
+        "novel_nmi": metrics.novel_nmi(truth, pred, seen),
+        "all_acc": metrics.all_accuracy(truth, pred),
+        "novel_found": len(found),
+    }
+
+
+@dataclass
+class BenchmarkResult:
+    runs: pd.DataFrame
+    summary: pd.DataFrame
+    scaling: pd.DataFrame | None = None
+    unavailable: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def run_benchmark(
+    tasks: Sequence[TaskSpec],
+    methods: Sequence[str] | None = None,
+    seeds: Sequence[int] = (0, 1, 2),
+    *,
+    progress: bool = True,
+) -> BenchmarkResult:
+    """Every method on every task and seed. A method that fails is recorded, not fatal."""
+    import torch
+
+    methods = list(methods) if methods is not None else list(METHODS)
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        msg = f"unknown methods {unknown}; available: {list(METHODS)}"
+        raise ValueError(msg)
+    _warm_up()
+    rows, unavailable = [], {}
+    total = len(tasks) * len(seeds) * len(methods)
+    done = 0
+    for spec in tasks:
+        for seed in seeds:
+            task = spec.make(seed)
+            truth = task.truth
+            for name in methods:
+                done += 1
+                m: Method = METHODS[name]
+                if name in unavailable:
+                    continue
+                t0 = time.perf_counter()
+                row = {
+                    "task": spec.name,
+                    "kind": spec.kind,
+                    "method": name,
+                    "family": m.family,
+                    "seed": seed,
+                    "n_query": task.query.n_obs,
+                    "n_reference": task.reference.n_obs,
+                    "novel_true": len(task.novel),
+                }
+                try:
+                    with PeakMemory() as mem:
+                        pred = m.run(task, seed)
+                    row.update(score(truth, pred, task.seen, m.names_types))
+                    row["seconds"] = time.perf_counter() - t0
+                    row["peak_mb"] = mem.peak_mb
+                    row["error"] = ""
+                except MethodUnavailable as e:
+                    unavailable[name] = str(e)
+                    logger.warning("%s unavailable: %s", name, e)
+                    continue
+                except Exception as e:  # noqa: BLE001 - a failing method is a result, not a crash
+                    logger.warning("%s failed on %s: %s", name, spec.name, e)
+                    logger.debug(traceback.format_exc())
+                    row.update({k: np.nan for k in METRICS})
+                    row["error"] = f"{type(e).__name__}: {e}"
+                rows.append(row)
+                if progress:
+                    msg = (
+                        f"[{done}/{total}] {spec.name} seed {seed} {name}: "
+                        + " ".join(f"{k}={row.get(k, np.nan):.3f}" for k in METRICS)
+                        + f" ({row.get('seconds', np.nan):.1f} s)"
+                    )
+                    logger.info(msg)
+    runs = pd.DataFrame(rows)
+    return BenchmarkResult(
+        runs,
+        summarize_runs(runs),
+        unavailable=unavailable,
+        settings={
+            "seeds": list(seeds),
+            "methods": methods,
+            "tasks": [t.name for t in tasks],
+            "torch_threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "n_cpus": os.cpu_count(),
+            "version": __version__,
+        },
+    )
+
+
+def _warm_up() -> None:
+    """Pay one-off costs (lazy imports, thread pools, allocator arenas) before measuring, so that
+    the first method's time and memory are not inflated by them.
+    """
+    import warnings
+
+    from ..datasets import simulate
+    from ..tl import annotate
+
+    a = simulate(300, 200, 4, seed=0)
+    a.obs["lab"] = a.obs["cell_type"].astype(object).where(a.obs["cell_type"] != "type_3", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        annotate(a, labels_key="lab", n_genes=100, epochs=2, warmup_epochs=1, min_steps=4,
+                 progress=False)  # fmt: skip
+    from sklearn.cluster import KMeans
+    from sklearn.linear_model import LogisticRegression
+
+    X = a.X.toarray()[:, :20]
+    KMeans(2, n_init=1, random_state=0).fit(X)
+    LogisticRegression(max_iter=50).fit(X, a.obs["cell_type"].astype(str))
+
+
+def summarize_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Mean and sd over seeds for every (task, method)."""
+    if runs.empty:
+        return runs
+    cols = [*METRICS, "novel_found", "seconds", "peak_mb"]
+    cols = [c for c in cols if c in runs.columns]
+    g = runs.groupby(["task", "method"], sort=False)
+    mean = g[cols].mean()
+    sd = g[cols].std(ddof=0)
+    out = mean.add_suffix("_mean").join(sd.add_suffix("_sd"))
+    out["novel_true"] = g["novel_true"].first()
+    out["family"] = g["family"].first()
+    out["n_seeds"] = g["seed"].nunique()
+    out["errors"] = g["error"].apply(lambda e: int((e.fillna("") != "").sum()))
+    return out.reset_index()

@@ -1,0 +1,153 @@
+"""Time and memory against the number of cells (simulated), with ORCA's FLOP floor beside."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from ._run import PeakMemory
+
+logger = logging.getLogger(__name__)
+
+
+def matmul_gflops(m: int, k: int, n: int, reps: int = 20) -> float:
+    """Measured float32 matmul throughput (GFLOP/s) for an ``(m, k) @ (k, n)`` product."""
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e9
+
+
+def flops_per_cell_epoch(g: int, h1: int, h2: int, k: int, batch: int, unl_frac: float) -> float:
+    """FLOPs one cell costs per epoch of ORCA's full objective.
+
+    Two forward passes (two dropout views): ``2 (G h1 + h1 h2 + h2 K)`` each; the backward pass is
+    ~2x the forward except the first layer, which needs no gradient w.r.t. its input (1x); pair
+    selection: a ``B x B x h2`` similarity per batch, i.e. ``2 B h2`` per cell; the uncertainty
+    pass: one forward pass over the unlabelled cells.
+    """
+    fwd = 2 * (g * h1 + h1 * h2 + h2 * k)
+    bwd = 2 * g * h1 + 2 * 2 * (h1 * h2 + h2 * k)
+    pairs = 2 * batch * h2
+    return 2 * (fwd + bwd) + pairs + unl_frac * fwd
+
+
+def _simulated(n: int, n_genes: int, seed: int):
+    from ..datasets import simulate
+
+    a = simulate(n, n_genes, 10, seed=seed)
+    rng = np.random.default_rng(seed)
+    seen = [f"type_{i}" for i in range(5)]
+    lab = a.obs["cell_type"].isin(seen).to_numpy() & (rng.random(a.n_obs) < 0.5)
+    a.obs["lab"] = a.obs["cell_type"].astype(object).where(lab, None)
+    return a, lab
+
+
+def _orca_point(a, lab, epochs: int, seed: int) -> dict:
+    from ..tl import annotate
+
+    with PeakMemory() as mem, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        annotate(
+            a, labels_key="lab", n_genes=None, epochs=epochs, warmup_epochs=1, min_steps=0,
+            seed=seed, progress=False,
+        )  # fmt: skip
+        total = time.perf_counter() - t0
+    u = a.uns["orca"]
+    h = u["history"]
+    full = ~np.asarray(h["warmup"], dtype=bool)
+    per_epoch = float(np.median(np.asarray(h["seconds"])[full]))
+    h1, h2 = u["params"]["hidden_dims"]
+    k = len(u["seen_classes"]) + u["n_novel"]["heads"]
+    fpc = flops_per_cell_epoch(a.n_vars, h1, h2, k, u["params"]["batch_size"], float(np.mean(~lab)))
+    gflops = matmul_gflops(u["params"]["batch_size"], a.n_vars, h1)
+    return {
+        "seconds": total,
+        "seconds_per_epoch": per_epoch,
+        "seconds_20_epochs_est": total - u["training"]["epochs"] * per_epoch + 20 * per_epoch,
+        "flop_floor_seconds_per_epoch": fpc * a.n_obs / (gflops * 1e9),
+        "matmul_gflops": gflops,
+        "peak_mb": mem.peak_mb,
+    }
+
+
+def _lr_point(a, lab, seed: int) -> dict:
+    """CellTypist's model family (logistic regression on log-normalised, scaled genes)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    from .._data import log_normalize
+
+    with PeakMemory() as mem, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        X = log_normalize(a.X.tocsr(), 1e4)
+        y = a.obs["cell_type"].astype(str).to_numpy()
+        scaler = StandardScaler(with_mean=False).fit(X[lab])
+        clf = LogisticRegression(max_iter=200, C=0.1, random_state=seed)
+        clf.fit(scaler.transform(X[lab]), y[lab])
+        clf.predict_proba(scaler.transform(X[~lab]))
+        total = time.perf_counter() - t0
+    return {"seconds": total, "peak_mb": mem.peak_mb}
+
+
+def _celltypist_point(a, lab, seed: int) -> dict:
+    import anndata as ad
+    import celltypist
+
+    from .._data import log_normalize
+
+    with PeakMemory() as mem, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        X = log_normalize(a.X.tocsr(), 1e4)
+        ref = ad.AnnData(X=X[lab], var=a.var[[]])
+        ref.obs["label"] = a.obs["cell_type"].astype(str).to_numpy()[lab]
+        model = celltypist.train(ref, labels="label", check_expression=False, n_jobs=1)
+        celltypist.annotate(ad.AnnData(X=X[~lab], var=a.var[[]]), model, mode="prob match")
+        total = time.perf_counter() - t0
+    return {"seconds": total, "peak_mb": mem.peak_mb}
+
+
+def run_scaling(
+    sizes: Sequence[int] = (10_000, 30_000, 100_000, 300_000),
+    n_genes: int = 2000,
+    epochs: int = 2,
+    seed: int = 0,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """ORCA (``epochs`` epochs measured; the 20-epoch time is extrapolated from the per-epoch
+    time) and CellTypist, or when CellTypist cannot run here, logistic regression (its model
+    family) — the ``method`` column says which — on simulated counts of each size.
+    """
+    rows = []
+    for n in sizes:
+        a, lab = _simulated(n, n_genes, seed)
+        orca = _orca_point(a, lab, epochs, seed)
+        rows.append({"method": "ORCA", "n_cells": n, **orca})
+        try:
+            point = _celltypist_point(a, lab, seed)
+            name = "CellTypist"
+        except Exception as e:  # noqa: BLE001 - not installed, or broken with this scikit-learn
+            logger.info("CellTypist unavailable for scaling (%s); using logistic regression.", e)
+            point = _lr_point(a, lab, seed)
+            name = "Logistic regression (CellTypist's model; CellTypist unavailable)"
+        rows.append({"method": name, "n_cells": n, **point})
+        if progress:
+            logger.info(
+                "scaling %d cells: ORCA %.1f s (%.2f s/epoch, floor %.2f), %.0f MB; %s %.1f s",
+                n, orca["seconds"], orca["seconds_per_epoch"],
+                orca["flop_floor_seconds_per_epoch"], orca["peak_mb"], name, point["seconds"],
+            )  # fmt: skip
+        del a
+    return pd.DataFrame(rows)

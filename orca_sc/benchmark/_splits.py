@@ -1,0 +1,137 @@
+"""Open-world splits of labelled data: the paper's protocol and cross-batch reference/query."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .._data import OrcaInputError
+
+TRUTH = "_truth"
+
+
+@dataclass
+class Task:
+    """One open-world problem: a labelled reference and a query whose truth is known.
+
+    ``reference.obs[labels_key]`` holds the known types; ``query.obs['_truth']`` the true type of
+    every query cell (some of them types the reference lacks). ``single`` marks splits of one
+    dataset (the paper's protocol), where ORCA sees reference and query as one AnnData.
+    """
+
+    name: str
+    reference: Any
+    query: Any
+    labels_key: str
+    seen: list[str]
+    single: bool
+    seed: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def truth(self) -> np.ndarray:
+        return self.query.obs[TRUTH].astype(str).to_numpy()
+
+    @property
+    def novel(self) -> list[str]:
+        return sorted(set(self.truth) - set(self.seen))
+
+    @property
+    def novel_fraction(self) -> float:
+        return float(np.mean(~np.isin(self.truth, self.seen)))
+
+
+def _labels(adata: Any, labels_key: str) -> pd.Series:
+    if labels_key not in adata.obs.columns:
+        cols = ", ".join(map(repr, adata.obs.columns))
+        msg = f"labels_key {labels_key!r} is not an obs column; columns: {cols}."
+        raise OrcaInputError(msg)
+    col = adata.obs[labels_key]
+    if col.isna().any():
+        msg = f"obs[{labels_key!r}] has missing labels; benchmarks need every cell labelled."
+        raise OrcaInputError(msg)
+    return col.astype(str)
+
+
+def protocol_split(
+    adata: Any,
+    labels_key: str,
+    *,
+    seen_fraction: float = 0.5,
+    labeled_fraction: float = 0.5,
+    seen_classes: Sequence[str] | None = None,
+    seed: int = 0,
+    name: str = "protocol",
+) -> Task:
+    """The paper's protocol (§4.1): a fraction of the classes is seen, a fraction of each seen
+    class is labelled (the reference); every other cell is the query.
+
+    ``seen_classes`` fixes the seen classes instead of drawing ``seen_fraction`` of them.
+    """
+    truth = _labels(adata, labels_key)
+    classes = np.array(sorted(truth.unique()))
+    rng = np.random.default_rng(seed)
+    if seen_classes is None:
+        if not 0 < seen_fraction < 1:
+            raise OrcaInputError(f"seen_fraction must be in (0, 1), got {seen_fraction}.")
+        n_seen = max(2, int(round(seen_fraction * len(classes))))
+        seen = sorted(rng.choice(classes, min(n_seen, len(classes) - 1), replace=False).tolist())
+    else:
+        seen = sorted(map(str, seen_classes))
+        unknown = sorted(set(seen) - set(classes))
+        if unknown:
+            raise OrcaInputError(f"seen classes {unknown} are not in obs[{labels_key!r}].")
+    if not 0 < labeled_fraction < 1:
+        raise OrcaInputError(f"labeled_fraction must be in (0, 1), got {labeled_fraction}.")
+    lab = truth.isin(seen).to_numpy() & (rng.random(adata.n_obs) < labeled_fraction)
+    ref = adata[lab].copy()
+    ref.obs[labels_key] = pd.Categorical(truth[lab].to_numpy(), categories=seen)
+    query = adata[~lab].copy()
+    query.obs[TRUTH] = truth[~lab].to_numpy()
+    query.obs[labels_key] = np.nan  # hidden
+    return Task(name, ref, query, labels_key, seen, single=True, seed=seed)
+
+
+def batch_split(
+    adata: Any,
+    labels_key: str,
+    batch_key: str,
+    reference_batches: Sequence[str],
+    *,
+    novel_classes: Sequence[str] = (),
+    seed: int = 0,
+    name: str = "cross-batch",
+) -> Task:
+    """Cross-tissue / cross-batch: the reference is the cells of ``reference_batches`` (minus
+    ``novel_classes``, hidden on purpose), the query every cell of the other batches; classes
+    absent from the reference are novel.
+    """
+    truth = _labels(adata, labels_key)
+    if batch_key not in adata.obs.columns:
+        cols = ", ".join(map(repr, adata.obs.columns))
+        raise OrcaInputError(f"batch_key {batch_key!r} is not an obs column; columns: {cols}.")
+    batch = adata.obs[batch_key].astype(str)
+    refs = [str(b) for b in reference_batches]
+    missing = sorted(set(refs) - set(batch.unique()))
+    if missing:
+        raise OrcaInputError(
+            f"reference batches {missing} are not in obs[{batch_key!r}]; batches: "
+            f"{sorted(batch.unique())}."
+        )
+    in_ref_batch = batch.isin(refs).to_numpy()
+    if in_ref_batch.all():
+        raise OrcaInputError(
+            "every cell is in a reference batch; leave at least one for the query."
+        )
+    in_ref = in_ref_batch & ~truth.isin([str(c) for c in novel_classes]).to_numpy()
+    ref = adata[in_ref].copy()
+    seen = sorted(truth[in_ref].unique())
+    ref.obs[labels_key] = pd.Categorical(truth[in_ref].to_numpy(), categories=seen)
+    query = adata[~in_ref_batch].copy()
+    query.obs[TRUTH] = truth[~in_ref_batch].to_numpy()
+    query.obs[labels_key] = np.nan
+    return Task(name, ref, query, labels_key, seen, single=False, seed=seed)

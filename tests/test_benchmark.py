@@ -1,0 +1,144 @@
+"""The benchmark suite: splits, baselines, scoring, memory measurement and the quick CLI run."""
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+import orca_sc
+from orca_sc import OrcaInputError
+from orca_sc import benchmark as B
+from orca_sc.cli import main
+
+
+@pytest.fixture(scope="module")
+def sim():
+    a = orca_sc.datasets.simulate(
+        800, 300, 6, markers_per_type=30, marker_fold=5.0, n_batches=2, seed=1
+    )
+    a.obs["batch"] = a.obs["batch"].astype(str)
+    return a
+
+
+def test_protocol_split(sim):
+    t = B.protocol_split(sim, "cell_type", seen_fraction=0.5, labeled_fraction=0.5, seed=3)
+    assert len(t.seen) == 3 and t.single
+    # reference: only seen classes, about half of each; query: everything else
+    assert set(t.reference.obs["cell_type"].astype(str)) == set(t.seen)
+    assert t.reference.n_obs + t.query.n_obs == sim.n_obs
+    n_seen_cells = sim.obs["cell_type"].isin(t.seen).sum()
+    assert 0.4 < t.reference.n_obs / n_seen_cells < 0.6
+    assert len(t.novel) == 3 and set(t.novel).isdisjoint(t.seen)
+    assert t.query.obs["cell_type"].isna().all()  # labels hidden from the query
+    # seeds draw different seen classes; explicit classes are honoured
+    draws = {tuple(B.protocol_split(sim, "cell_type", seed=s).seen) for s in range(6)}
+    assert len(draws) > 1
+    t2 = B.protocol_split(sim, "cell_type", seen_classes=["type_0", "type_5"])
+    assert t2.seen == ["type_0", "type_5"]
+    with pytest.raises(OrcaInputError, match=r"seen classes \['nope'\] are not in"):
+        B.protocol_split(sim, "cell_type", seen_classes=["nope"])
+    with pytest.raises(OrcaInputError, match="labeled_fraction must be in"):
+        B.protocol_split(sim, "cell_type", labeled_fraction=1.5)
+
+
+def test_batch_split(sim):
+    t = B.batch_split(sim, "cell_type", "batch", ["batch_0"], novel_classes=["type_1"])
+    assert (t.reference.obs["batch"] == "batch_0").all()
+    assert (t.query.obs["batch"] != "batch_0").all()
+    assert "type_1" not in t.seen and "type_1" in t.novel
+    assert not t.single
+    with pytest.raises(OrcaInputError, match=r"reference batches \['x'\] are not in"):
+        B.batch_split(sim, "cell_type", "batch", ["x"])
+    with pytest.raises(OrcaInputError, match="leave at least one for the query"):
+        B.batch_split(sim, "cell_type", "batch", ["batch_0", "batch_1"])
+
+
+def test_score_names_clusters_by_oracle_only_when_asked():
+    truth = np.array(["A"] * 4 + ["B"] * 4 + ["N"] * 4)
+    clusters = np.array(["c1"] * 4 + ["c2"] * 4 + ["c3"] * 4)
+    named = B.score(truth, clusters, ["A", "B"], names_types=False)
+    assert named["seen_acc"] == 1.0 and named["novel_acc"] == 1.0 and named["novel_found"] == 1
+    unnamed = B.score(truth, clusters, ["A", "B"], names_types=True)
+    assert unnamed["seen_acc"] == 0.0 and unnamed["all_acc"] == 1.0
+
+
+def test_lr_baseline_rejects_the_oracle_fraction(sim):
+    t = B.protocol_split(sim, "cell_type", seed=0)
+    pred = B.METHODS["LR + oracle reject + KMeans"].run(t, 0)
+    rejected = ~np.isin(pred, t.seen)
+    assert rejected.sum() == round(t.novel_fraction * t.query.n_obs)
+    assert len(set(pred[rejected])) == len(t.novel)  # KMeans with the true number of types
+    s = B.score(t.truth, pred, t.seen, True)
+    assert s["seen_acc"] > 0.9 and s["novel_acc"] > 0.8  # well-separated simulated types
+
+
+def test_knn_transfer_and_clustering_baselines(sim):
+    t = B.batch_split(sim, "cell_type", "batch", ["batch_0"], novel_classes=["type_4", "type_5"])
+    s = B.score(t.truth, B.METHODS["kNN transfer (ingest-like) + Leiden"].run(t, 0), t.seen, True)
+    assert s["seen_acc"] > 0.9
+    km = B.METHODS["KMeans on query (NCD stand-in)"]
+    assert not km.names_types
+    s = B.score(t.truth, km.run(t, 0), t.seen, km.names_types)
+    assert s["all_acc"] > 0.9
+
+
+def test_peak_memory_sees_a_large_allocation():
+    with B.PeakMemory() as mem:
+        x = np.ones((200, 2**17))  # 200 MiB, touched
+        x.sum()
+        del x
+    assert 150 < mem.peak_mb < 400
+
+
+def test_report_flags_baselines_that_beat_orca():
+    runs = pd.DataFrame(
+        [
+            {"task": "t", "method": m, "family": f, "seed": 0, "novel_true": 2, "seen_acc": s,
+             "novel_acc": n, "novel_nmi": n, "all_acc": s, "novel_found": 2, "seconds": 1.0,
+             "peak_mb": 1.0, "error": ""}
+            for m, f, s, n in [("ORCA", "ORCA", 0.9, 0.7), ("ORCA-FNM", "ablation", 0.9, 0.8),
+                               ("KMeans on query (NCD stand-in)", "baseline", 0.5, 0.75)]
+        ]
+    )  # fmt: skip
+    res = B.BenchmarkResult(runs, B.summarize_runs(runs), settings={"methods": ["ORCA"]})
+    md = B.markdown(res)
+    assert "t: ORCA-FNM novel accuracy 0.800 ≥ ORCA 0.700" in md
+    assert "t: KMeans on query (NCD stand-in) beats ORCA on novel accuracy (0.750 vs 0.700)" in md
+    assert "| ORCA | 0.900 | 0.700 | 0.700 | 0.900 | 2.0 (2) |" in md
+
+
+def test_quick_benchmark_cli(tmp_path):
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(main, ["benchmark", "--quick", "--outdir", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["bars.png", "report.md", "runs.csv", "scaling.csv", "scaling.png",
+                     "settings.json", "summary.csv"]  # fmt: skip
+    runs = pd.read_csv(out / "runs.csv")
+    assert set(runs["method"]) == set(B.QUICK_METHODS)
+    assert (runs["task"] == "pbmc68k_protocol").all() and (runs["seed"] == 0).all()
+    for m in ("seen_acc", "novel_acc", "novel_nmi", "all_acc"):
+        assert runs[m].between(0, 1).all()
+    orca = runs.set_index("method").loc["ORCA"]
+    assert orca["novel_acc"] > 0.5  # real data: the hidden PBMC types are found
+    sc = pd.read_csv(out / "scaling.csv")
+    o = sc[sc["method"] == "ORCA"]
+    assert list(o["n_cells"]) == [1000, 2000]
+    assert (o["flop_floor_seconds_per_epoch"] < o["seconds_per_epoch"]).all()
+    assert "## pbmc68k_protocol" in r.stdout and "| ORCA |" in r.stdout
+    # a second run refuses to overwrite the report
+    r2 = CliRunner().invoke(main, ["benchmark", "--quick", "--outdir", str(out), "-q"])
+    assert r2.exit_code == 2 and "already holds a report" in r2.stderr
+
+
+def test_benchmark_cli_bad_options(tmp_path):
+    def err(*args):
+        r = CliRunner().invoke(main, ["benchmark", "--outdir", str(tmp_path / "b"), *args])
+        assert r.exit_code == 2, r.output
+        assert not (tmp_path / "b").exists()
+        return r.stderr
+
+    assert "unknown --method ['nope']" in err("--method", "nope")
+    assert "unknown --task ['nope']" in err("--task", "nope")
+    assert "--h5ad needs --labels-key" in err("--h5ad", str(tmp_path / "x.h5ad"))
+    assert "comma-separated list of ints" in err("--seeds", "a,b")
