@@ -650,6 +650,12 @@ def _csv_list(value: str | None, cast=str) -> list | None:
 )
 @click.option("--seeds", default="0,1,2", show_default=True, help="Comma-separated seeds.")
 @click.option(
+    "--ablation-seeds",
+    default="0",
+    show_default=True,
+    help="Seeds for the ablations and over-provisioned heads (each run costs as much as ORCA).",
+)
+@click.option(
     "--scaling/--no-scaling",
     default=True,
     show_default=True,
@@ -669,7 +675,7 @@ def _csv_list(value: str | None, cast=str) -> list | None:
 @_add(_output_opts)
 @click.pass_context
 def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, reference_batches,
-              seen_fraction, labeled_fraction, seen_classes, novel_classes, methods, seeds, scaling,
+              seen_fraction, labeled_fraction, seen_classes, novel_classes, methods, seeds, ablation_seeds, scaling,
               scaling_sizes, quick, overwrite, quiet):  # fmt: skip
     """Compare ORCA, its ablations and baselines on open-world tasks; write a report.
 
@@ -760,7 +766,10 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
                         f"unknown --task {missing}; available here: {avail} (more with --data-dir)."
                     )
                 specs = [s for s in specs if s.name in tasks]
-        result = B.run_benchmark(specs, method_list, seed_list, progress=not quiet)
+        abl_list = _csv_list(ablation_seeds, int) or seed_list
+        result = B.run_benchmark(
+            specs, method_list, seed_list, ablation_seeds=abl_list, progress=not quiet
+        )
         if scaling and sizes:
             result.scaling = B.run_scaling(
                 sizes, n_genes=500 if quick else 2000, progress=not quiet

@@ -251,3 +251,15 @@ def test_tl_predict_and_similarity_of_novel_clusters(small_sim, tmp_path):
     assert list(sim["clusters"]) == list(small_sim.uns["orca"]["novel_cluster_sizes"])
     assert np.asarray(sim["similarity"]).shape == (len(sim["clusters"]), 3)
     assert np.all(np.abs(np.asarray(sim["similarity"])) <= 1.0 + 1e-6)
+
+
+@pytest.mark.parametrize("n_novel", [2, 8])
+def test_over_provisioned_heads_do_not_take_known_cells(small_sim, n_novel):
+    """n_novel above the number of candidate clusters: surplus heads get the detection-limit
+    prior, stay (nearly) empty and are pruned, instead of pulling in cells of known types.
+    """
+    orca_sc.tl.annotate(small_sim, labels_key="lab", n_novel=n_novel, **FAST)
+    r = orca_sc.metrics.report(small_sim, "cell_type")
+    assert small_sim.uns["orca"]["n_novel"]["heads"] == n_novel
+    assert r["seen_accuracy"] >= 0.95
+    assert r["n_novel_found"] <= 3

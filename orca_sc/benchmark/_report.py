@@ -26,7 +26,8 @@ def markdown(result: BenchmarkResult) -> str:
     lines = [
         "# orca_sc open-world benchmark",
         "",
-        f"orca_sc {st.get('version')}; seeds {st.get('seeds')}; torch threads "
+        f"orca_sc {st.get('version')}; seeds {st.get('seeds')} (ablations and heads: "
+        f"{st.get('ablation_seeds', st.get('seeds'))}); torch threads "
         f"{st.get('torch_threads')} on {st.get('n_cpus')} CPUs. Mean ± sd over seeds. Metrics "
         "(Cao et al. 2022): seen = accuracy on cells of reference types; novel = accuracy on "
         "cells of novel types after Hungarian matching; all = Hungarian accuracy over all "

@@ -101,9 +101,14 @@ def run_benchmark(
     methods: Sequence[str] | None = None,
     seeds: Sequence[int] = (0, 1, 2),
     *,
+    ablation_seeds: Sequence[int] | None = None,
     progress: bool = True,
 ) -> BenchmarkResult:
-    """Every method on every task and seed. A method that fails is recorded, not fatal."""
+    """Every method on every task and seed. A method that fails is recorded, not fatal.
+
+    ``ablation_seeds`` (default: ``seeds``) are the seeds for the ablations and the
+    over-provisioned-heads runs, which cost as much as ORCA itself each.
+    """
     import torch
 
     methods = list(methods) if methods is not None else list(METHODS)
@@ -113,17 +118,23 @@ def run_benchmark(
         raise ValueError(msg)
     _warm_up()
     rows, unavailable = [], {}
-    total = len(tasks) * len(seeds) * len(methods)
+    abl = list(ablation_seeds) if ablation_seeds is not None else list(seeds)
+
+    def seeds_of(name: str) -> list[int]:
+        return abl if METHODS[name].family in ("ablation", "heads") else list(seeds)
+
+    all_seeds = sorted({s for name in methods for s in seeds_of(name)})
+    total = len(tasks) * sum(len(seeds_of(name)) for name in methods)
     done = 0
     for spec in tasks:
-        for seed in seeds:
+        for seed in all_seeds:
             task = spec.make(seed)
             truth = task.truth
             for name in methods:
-                done += 1
                 m: Method = METHODS[name]
-                if name in unavailable:
+                if name in unavailable or seed not in seeds_of(name):
                     continue
+                done += 1
                 t0 = time.perf_counter()
                 row = {
                     "task": spec.name,
@@ -166,6 +177,7 @@ def run_benchmark(
         unavailable=unavailable,
         settings={
             "seeds": list(seeds),
+            "ablation_seeds": abl,
             "methods": methods,
             "tasks": [t.name for t in tasks],
             "torch_threads": torch.get_num_threads(),

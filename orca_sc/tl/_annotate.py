@@ -19,7 +19,13 @@ from .._align import (
 )
 from .._config import OrcaConfig
 from .._data import prepare
-from .._estimate import estimate_n_novel, ood_clusters, pca_embedding, subsample_rows
+from .._estimate import (
+    estimate_n_novel,
+    min_cluster_size,
+    ood_clusters,
+    pca_embedding,
+    subsample_rows,
+)
 from .._model import OrcaModel
 from .._train import infer, train
 
@@ -310,10 +316,12 @@ def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, s
     in_cand = (assign >= 0) & (assign < k)
     head = np.where(in_cand, n_seen + assign, head)
     counts = np.bincount(head, minlength=n_seen + k).astype(np.float64)
-    empty = counts[n_seen:] == 0  # novel heads without a candidate cluster
+    # novel heads without a candidate cluster (n_novel given above the estimate): no evidence of
+    # any mass, so their prior is the detection limit (smallest candidate size), not an average
+    # cluster; otherwise the regulariser fills them with cells of known types
+    empty = counts[n_seen:] == 0
     if empty.any():
-        fill = np.mean(sizes) if sizes else (lab_r < 0).sum() / (n_seen + k)
-        counts[n_seen:][empty] = max(fill, 1.0)
+        counts[n_seen:][empty] = min_cluster_size(int((lab_r < 0).sum()))
     prior = counts / counts.sum()
     info = {
         "n_novel": len(sizes),
