@@ -7,7 +7,7 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.1.0"
 
-from . import datasets, metrics, tl  # noqa: E402
+from . import datasets, metrics, pl, tl  # noqa: E402
 from ._config import HEAD_SCALE, OrcaConfig  # noqa: E402
 from ._data import OrcaInputError  # noqa: E402
 from ._model import OrcaModel  # noqa: E402
@@ -21,6 +21,7 @@ __all__ = [
     "TrainingDivergedError",
     "datasets",
     "metrics",
+    "pl",
     "tl",
     "__version__",
 ]

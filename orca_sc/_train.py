@@ -153,7 +153,7 @@ def train(
 
 
 def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init) -> TrainResult:
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     rng = np.random.default_rng(config.seed)
     pair_gen = torch.Generator().manual_seed(config.seed)

@@ -153,9 +153,15 @@ class _Outputs:
         self.overwrite = overwrite
         self.inputs = {Path(p).resolve() for p in inputs}
         self.pending: list[tuple[Path, Callable[[Path], None]]] = []
+        self.claimed: dict[Path, str] = {}
 
     def claim(self, path: str | Path, what: str) -> Path:
         p = Path(path)
+        if p.resolve() in self.claimed:
+            other = self.claimed[p.resolve()]
+            raise CliError(
+                f"{what} and {other.lower()} are the same file {str(p)!r}; give each its own path."
+            )
         if p.resolve() in self.inputs:
             raise CliError(
                 f"{what} {str(p)!r} is one of the input files; inputs are never modified. Choose another path."
@@ -175,6 +181,7 @@ class _Outputs:
             raise CliError(
                 f"Directory {str(parent)!r} is not writable; choose another location for the {what.lower()}."
             )
+        self.claimed[p.resolve()] = what
         return p
 
     def add(self, path: Path, write: Callable[[Path], None]) -> None:
@@ -266,6 +273,28 @@ def _metrics_table(m: dict) -> str:
         f"  novel clusters   {m['n_novel_found']} found, {m['n_novel_true']} true novel types",
     ]
     return "\n".join(lines)
+
+
+def _save_results(adata, outputs, out_path, report_path, report: dict, layer, truth_key):
+    """Summary (+ metrics with a truth column), then the annotated file and the JSON report,
+    committed together. Returns ``(summary, metrics)``.
+    """
+    from .tl import summarize
+
+    summary = summarize(adata, layer=layer)
+    metrics = _truth_metrics(adata, truth_key)
+    outputs.add(out_path, lambda p: adata.write_h5ad(p))
+    if report_path is not None:
+        rep = {**report, "output": str(out_path), "summary": summary, "metrics": metrics,
+               "version": __version__}  # fmt: skip
+        outputs.add(report_path, _write_json(rep))
+    outputs.commit()
+    return summary, metrics
+
+
+def _default_output(query: str) -> Path:
+    q = Path(query)
+    return q.with_name(f"{q.stem}.orca.h5ad")
 
 
 def _truth_metrics(adata, truth_key: str | None) -> dict | None:
@@ -407,7 +436,6 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
     """
     from ._config import OrcaConfig
     from .tl import annotate as tl_annotate
-    from .tl import summarize
 
     with _errors(ctx), _cli_logging(quiet):
         n_novel_v = _parse_n_novel(n_novel)
@@ -432,31 +460,22 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
         )
         _check_device(device)
         outputs = _Outputs(overwrite, [reference, query])
-        q = Path(query)
-        out_path = outputs.claim(output or q.with_name(f"{q.stem}.orca.h5ad"), "Output file")
+        out_path = outputs.claim(output or _default_output(query), "Output file")
         model_path = outputs.claim(save_model, "Model file") if save_model else None
         report_path = outputs.claim(report, "Report file") if report else None
-        if len({p for p in (out_path, model_path, report_path) if p is not None}) < sum(
-            p is not None for p in (out_path, model_path, report_path)
-        ):
-            raise CliError("-o, --save-model and --report must be different files.")
 
         ref = _read_h5ad(reference, "Reference")
         adata = _read_h5ad(query, "Query")
         _check_obs_key(adata, truth_key, "query", "--truth-key")
         model = tl_annotate(adata, ref, labels_key=labels_key, config=cfg, return_model=True)
-        summary = summarize(adata, layer=layer)
-        metrics = _truth_metrics(adata, truth_key)
-
-        outputs.add(out_path, lambda p: adata.write_h5ad(p))
         if model_path is not None:
             outputs.add(model_path, model.save)
-        if report_path is not None:
-            rep = {"command": "annotate", "reference": reference, "query": query,
-                   "output": str(out_path), "summary": summary, "metrics": metrics,
-                   "n_novel": dict(adata.uns["orca"]["n_novel"]), "version": __version__}  # fmt: skip
-            outputs.add(report_path, _write_json(rep))
-        outputs.commit()
+        summary, metrics = _save_results(
+            adata, outputs, out_path, report_path,
+            {"command": "annotate", "reference": reference, "query": query,
+             "n_novel": dict(adata.uns["orca"]["n_novel"])},
+            layer, truth_key,
+        )  # fmt: skip
 
     _echo_summary(summary, metrics)
     click.echo(
@@ -504,16 +523,12 @@ def predict(
     """
     from ._model import OrcaModel
     from .tl import predict as tl_predict
-    from .tl import summarize
 
     with _errors(ctx), _cli_logging(quiet):
         _check_device(device)
         outputs = _Outputs(overwrite, [model, query])
-        q = Path(query)
-        out_path = outputs.claim(output or q.with_name(f"{q.stem}.orca.h5ad"), "Output file")
+        out_path = outputs.claim(output or _default_output(query), "Output file")
         report_path = outputs.claim(report, "Report file") if report else None
-        if report_path is not None and report_path.resolve() == out_path.resolve():
-            raise CliError("-o and --report must be different files.")
         m = OrcaModel.load(model)
         adata = _read_h5ad(query, "Query")
         _check_obs_key(adata, truth_key, "query", "--truth-key")
@@ -522,15 +537,11 @@ def predict(
         logger.info(
             "%d of the model's %d genes found in the query.", len(m.genes) - n_missing, len(m.genes)
         )
-        summary = summarize(adata, layer=layer)
-        metrics = _truth_metrics(adata, truth_key)
-        outputs.add(out_path, lambda p: adata.write_h5ad(p))
-        if report_path is not None:
-            rep = {"command": "predict", "model": model, "query": query, "output": str(out_path),
-                   "n_genes_missing": n_missing, "summary": summary, "metrics": metrics,
-                   "version": __version__}  # fmt: skip
-            outputs.add(report_path, _write_json(rep))
-        outputs.commit()
+        summary, metrics = _save_results(
+            adata, outputs, out_path, report_path,
+            {"command": "predict", "model": model, "query": query, "n_genes_missing": n_missing},
+            layer, truth_key,
+        )  # fmt: skip
 
     _echo_summary(summary, metrics)
     click.echo(f"Wrote {out_path}" + (f", {report_path}" if report_path else ""))

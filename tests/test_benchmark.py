@@ -102,8 +102,8 @@ def test_report_flags_baselines_that_beat_orca():
     )  # fmt: skip
     res = B.BenchmarkResult(runs, B.summarize_runs(runs), settings={"methods": ["ORCA"]})
     md = B.markdown(res)
-    assert "t: ORCA-FNM novel accuracy 0.800 ≥ ORCA 0.700" in md
-    assert "t: KMeans on query (NCD stand-in) beats ORCA on novel accuracy (0.750 vs 0.700)" in md
+    assert "t: ORCA-FNM novel accuracy 0.800 ≥ ORCA 0.700 (seeds [0])" in md
+    assert "t: KMeans on query (NCD stand-in) beats ORCA on novel (0.750 vs 0.700)" in md
     assert "| ORCA | 0.900 | 0.700 | 0.700 | 0.900 | 2.0 (2) |" in md
 
 

@@ -302,6 +302,8 @@ def test_bad_files_and_keys(files, tmp_path):
     # outputs: inputs are never targets; missing or unwritable directories
     check(_annotate_args(ref, query, tmp_path, "-o", query, "--overwrite"), "is one of the input")
     check(_annotate_args(ref, query, tmp_path, "-o", tmp_path / "no" / "o.h5ad"), "does not exist")
+    same = tmp_path / "out" / "o.h5ad"
+    check(_annotate_args(ref, query, tmp_path, "--report", same), "are the same file")
     check(_annotate_args(ref, query, tmp_path, "--save-model", tmp_path / "out"), "is a directory")
 
 

@@ -4,6 +4,7 @@ checksummed downloader.
 
 from ._download import DownloadError, Manifest, default_cache_dir, fetch, load, manifests
 from ._simulate import simulate
+from ._tabula_muris import tabula_muris_cross_tissue
 
 __all__ = [
     "DownloadError",
@@ -13,4 +14,5 @@ __all__ = [
     "load",
     "manifests",
     "simulate",
+    "tabula_muris_cross_tissue",
 ]

@@ -225,7 +225,7 @@ def _open(url: str, start: int, timeout: float):
 
 def _download(rf: RemoteFile, part: Path, *, progress: bool, timeout: float, retries: int) -> None:
     """Fetch ``rf`` into ``part``, resuming what is there; retries resume after a cut connection."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     attempt = 0
     while True:

@@ -1,0 +1,145 @@
+"""The paper's cross-tissue task on Tabula Muris data (or any AnnData with a tissue column)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .._data import OrcaInputError, get_matrix, select_genes, to_log_normalized
+
+#: label values that mean "not annotated" in Tabula Muris releases
+UNANNOTATED = ("unannotated", "nan", "NA", "")
+
+
+def tabula_muris_cross_tissue(
+    adata: Any,
+    *,
+    labels_key: str = "cell_ontology_class",
+    tissue_key: str = "tissue",
+    query_tissues: Sequence[str] | None = None,
+    seen_classes: Sequence[str] | None = None,
+    seen_fraction: float | None = 0.5,
+    labeled_fraction: float = 0.5,
+    min_cells: int = 400,
+    n_genes: int | None = 2866,
+    layer: str | None = None,
+    seed: int = 0,
+) -> tuple[Any, Any]:
+    """Build the ORCA paper's cross-tissue annotation task (§4.1, Appendix B).
+
+    Steps: drop cells without an annotation; keep cell types with at least ``min_cells`` cells
+    (the paper: 400, leaving 50 types and 93,718 cells of Tabula Muris Senis FACS); log-normalise
+    counts (10⁴ per cell + log1p; log-normalised input is kept); select ``n_genes`` highly variable
+    genes (the paper used 2,866), per tissue; split tissues into reference and query tissues;
+    draw the seen classes (``seen_fraction`` of the types, as in the paper, or ``seen_classes``);
+    the reference is ``labeled_fraction`` of the seen-class cells of the reference tissues, the
+    query every cell of the query tissues (its known types and the novel ones).
+
+    Parameters
+    ----------
+    adata
+        Tabula Muris (Senis) AnnData — or any AnnData with cell types and a tissue column.
+    labels_key, tissue_key
+        ``obs`` columns with the cell type and the tissue.
+    query_tissues
+        Tissues annotated as the query. Default: half of the tissues, drawn with ``seed``
+        (sorted names, so the draw is reproducible).
+    seen_classes
+        The known types. Default: ``seen_fraction`` of the types drawn with ``seed``; with
+        ``seen_fraction=None`` every type of the reference tissues is seen (pure cross-tissue:
+        novel = types the reference tissues lack).
+    labeled_fraction
+        Fraction of each seen type's reference-tissue cells that is labelled.
+    min_cells, n_genes, layer, seed
+        Filtering, gene selection (``None``: all genes), expression layer, randomness.
+
+    Returns
+    -------
+    ``(reference, query)``: AnnData objects with log-normalised ``X`` on the selected genes.
+    ``reference.obs[labels_key]`` holds the labels; ``query.obs[labels_key]`` keeps the truth (for
+    :func:`orca_sc.metrics.report`; ``annotate`` ignores it). Both have ``uns['orca_task']`` with
+    the seen / novel classes and the tissues.
+
+    """
+    import anndata as ad
+
+    for key, what in ((labels_key, "labels_key"), (tissue_key, "tissue_key")):
+        if key not in adata.obs.columns:
+            cols = ", ".join(map(repr, adata.obs.columns))
+            raise OrcaInputError(f"{what} {key!r} is not an obs column; columns: {cols}.")
+    labels = adata.obs[labels_key].astype(object)
+    ok = labels.notna().to_numpy() & ~labels.astype(str).isin(UNANNOTATED).to_numpy()
+    counts = labels[ok].astype(str).value_counts()
+    keep_types = sorted(counts[counts >= min_cells].index)
+    if len(keep_types) < 2:
+        raise OrcaInputError(
+            f"only {len(keep_types)} cell types have at least min_cells={min_cells} cells; lower "
+            f"min_cells (largest types: {counts.head(5).to_dict()})."
+        )
+    keep = ok & labels.astype(str).isin(keep_types).to_numpy()
+    X = get_matrix(adata, layer, "Tabula Muris data")[keep]
+    X, _ = to_log_normalized(X, 1e4)
+    obs = adata.obs.loc[keep].copy()
+    obs[labels_key] = obs[labels_key].astype(str)
+    tissue = obs[tissue_key].astype(str).to_numpy()
+    genes = adata.var_names.astype(str).tolist()
+    hv = select_genes(X, genes, tissue, n_genes)
+    X = X[:, hv].tocsr()
+    var = adata.var.iloc[hv].copy()
+
+    rng = np.random.default_rng(seed)
+    tissues = sorted(set(tissue))
+    if query_tissues is None:
+        if len(tissues) < 2:
+            raise OrcaInputError(
+                f"only one tissue ({tissues}) in obs[{tissue_key!r}]: nothing to split."
+            )
+        q_t = sorted(rng.choice(tissues, len(tissues) // 2, replace=False).tolist())
+    else:
+        q_t = sorted(map(str, query_tissues))
+        missing = sorted(set(q_t) - set(tissues))
+        if missing:
+            raise OrcaInputError(f"query tissues {missing} not found; tissues: {tissues}.")
+    in_query = np.isin(tissue, q_t)
+    if in_query.all():
+        raise OrcaInputError(
+            "every tissue is a query tissue; leave at least one for the reference."
+        )
+    ref_types = sorted(set(obs[labels_key][~in_query]))
+    if seen_classes is not None:
+        seen = sorted(map(str, seen_classes))
+        bad = sorted(set(seen) - set(ref_types))
+        if bad:
+            raise OrcaInputError(f"seen classes {bad} have no cells in the reference tissues.")
+    elif seen_fraction is None:
+        seen = ref_types
+    else:
+        all_types = sorted(set(keep_types))
+        n_seen = max(2, int(round(seen_fraction * len(all_types))))
+        # seen types must occur in the reference tissues
+        cand = [t for t in rng.permutation(all_types) if t in set(ref_types)]
+        seen = sorted(cand[:n_seen])
+    if len(seen) < 2:
+        raise OrcaInputError(f"need at least 2 seen classes, got {seen}.")
+    y = obs[labels_key].to_numpy()
+    lab = ~in_query & np.isin(y, seen) & (rng.random(len(y)) < labeled_fraction)
+    novel = sorted(set(y[in_query]) - set(seen))
+    info = {
+        "reference_tissues": sorted(set(tissues) - set(q_t)),
+        "query_tissues": q_t,
+        "seen_classes": seen,
+        "novel_classes": novel,
+        "min_cells": min_cells,
+        "n_genes": int(X.shape[1]),
+        "labeled_fraction": labeled_fraction,
+        "seed": seed,
+    }
+    ref = ad.AnnData(X=X[lab], obs=obs.iloc[np.flatnonzero(lab)].copy(), var=var)
+    ref.obs[labels_key] = pd.Categorical(ref.obs[labels_key], categories=seen)
+    query = ad.AnnData(X=X[in_query], obs=obs.iloc[np.flatnonzero(in_query)].copy(), var=var)
+    ref.uns["orca_task"] = info
+    query.uns["orca_task"] = info
+    return ref, query

@@ -1,0 +1,120 @@
+"""orca_sc.pl plots and the Tabula Muris cross-tissue task builder."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import scanpy as sc  # noqa: E402
+from conftest import FAST, SHARED_DATA  # noqa: E402
+
+import orca_sc  # noqa: E402
+from orca_sc import OrcaInputError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def annotated():
+    a = orca_sc.datasets.simulate(500, 300, 5, markers_per_type=30, marker_fold=5.0, seed=3)
+    rng = np.random.default_rng(0)
+    lab = a.obs["cell_type"].isin(["type_0", "type_1", "type_2"]).to_numpy() & (
+        rng.random(a.n_obs) < 0.5
+    )
+    a.obs["lab"] = a.obs["cell_type"].astype(object).where(lab, None)
+    orca_sc.tl.annotate(a, labels_key="lab", **FAST)
+    sc.pp.neighbors(a, use_rep="X_orca", random_state=0)
+    sc.tl.umap(a, random_state=0)
+    return a
+
+
+def test_embedding_highlights_novel_clusters(annotated, tmp_path):
+    ax = orca_sc.pl.embedding(annotated, show=False)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    novel = list(annotated.obs["orca_novel"].cat.categories)
+    assert novel and all(f"{n} (novel)" in legend for n in novel)
+    # novel clusters are drawn last (on top), with an outline
+    assert ax.collections[-1].get_label().endswith("(novel)")
+    assert ax.collections[-1].get_linewidths()[0] > 0
+    plt.close("all")
+    orca_sc.pl.embedding(annotated, save=str(tmp_path / "e.png"))
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(KeyError, match="sc.tl.tsne"):
+        orca_sc.pl.embedding(annotated, basis="tsne", show=False)
+
+
+def test_correspondence_counts_match_crosstab(annotated):
+    ax = orca_sc.pl.correspondence(annotated, "cell_type", show=False)
+    img = ax.images[0].get_array()
+    assert np.allclose(np.asarray(img).sum(axis=1), 1.0)  # row-normalised
+    texts = {t.get_text() for t in ax.texts}
+    top = annotated.obs.groupby(["cell_type", "orca_label"], observed=True).size().max()
+    assert str(top) in texts
+    plt.close("all")
+    with pytest.raises(KeyError, match="truth_key 'nope'"):
+        orca_sc.pl.correspondence(annotated, "nope", show=False)
+
+
+def test_confidence_and_marker_dotplot(annotated):
+    ax = orca_sc.pl.confidence(annotated, show=False)
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(
+        annotated.obs["orca_label"].cat.categories
+    )
+    dp = orca_sc.pl.novel_markers(annotated, n_genes=3, show=False)
+    assert set(dp.var_names) >= set(
+        orca_sc.tl.summarize(annotated, n_markers=3)["novel"][0]["markers"]
+    )
+    plt.close("all")
+
+
+def test_cross_tissue_task_builder():
+    a = orca_sc.datasets.simulate(1200, 300, 6, markers_per_type=30, n_batches=3, seed=2)
+    a.obs["tissue"] = a.obs["batch"].astype(str).str.replace("batch", "tissue")
+    a.obs["cell_ontology_class"] = a.obs["cell_type"].astype(str)
+    ref, query = orca_sc.datasets.tabula_muris_cross_tissue(
+        a, query_tissues=["tissue_2"], min_cells=50, n_genes=200, seed=0
+    )
+    info = query.uns["orca_task"]
+    assert info["query_tissues"] == ["tissue_2"] and info["reference_tissues"] == [
+        "tissue_0",
+        "tissue_1",
+    ]
+    assert len(info["seen_classes"]) == 3 and ref.n_vars == query.n_vars == 200
+    assert set(ref.obs["cell_ontology_class"]) <= set(info["seen_classes"])
+    assert (ref.obs["tissue"] != "tissue_2").all() and (query.obs["tissue"] == "tissue_2").all()
+    assert set(info["novel_classes"]) == set(query.obs["cell_ontology_class"]) - set(
+        info["seen_classes"]
+    )
+    # log-normalised on all genes (10^4 per cell + log1p), then restricted to the selected genes
+    raw = a[ref.obs_names[:5]].X.toarray()
+    expect = np.log1p(1e4 * raw / raw.sum(axis=1, keepdims=True))[
+        :, a.var_names.get_indexer(ref.var_names)
+    ]
+    np.testing.assert_allclose(ref.X[:5].toarray(), expect, rtol=1e-4, atol=1e-5)
+    # min_cells drops rare types; default query tissues are half of them
+    small = a[~((a.obs["cell_type"] == "type_5").to_numpy() & (np.arange(a.n_obs) % 4 > 0))].copy()
+    r2, q2 = orca_sc.datasets.tabula_muris_cross_tissue(small, min_cells=60, n_genes=None, seed=1)
+    assert "type_5" not in set(q2.obs["cell_ontology_class"]) | set(r2.obs["cell_ontology_class"])
+    assert len(q2.uns["orca_task"]["query_tissues"]) == 1
+    with pytest.raises(OrcaInputError, match="query tissues \\['lung'\\] not found"):
+        orca_sc.datasets.tabula_muris_cross_tissue(a, query_tissues=["lung"], min_cells=50)
+    with pytest.raises(OrcaInputError, match="lower min_cells"):
+        orca_sc.datasets.tabula_muris_cross_tissue(a, min_cells=10_000)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "tm_facs_scfind.h5ad").exists(), reason="shared data absent")
+def test_cross_tissue_on_real_tabula_muris():
+    a = sc.read_h5ad(SHARED_DATA / "tm_facs_scfind.h5ad")
+    ref, query = orca_sc.datasets.tabula_muris_cross_tissue(
+        a, labels_key="cell_type", query_tissues=["Marrow"], seen_fraction=None, min_cells=5,
+        n_genes=2000,
+    )  # fmt: skip
+    info = query.uns["orca_task"]
+    assert "unannotated" not in set(query.obs["cell_type"]) | set(ref.obs["cell_type"])
+    assert info["novel_classes"] == [
+        "immature B cell",
+        "late pro-B cell",
+        "naive B cell",
+        "precursor B cell",
+    ]
+    assert "macrophage" in info["seen_classes"]
