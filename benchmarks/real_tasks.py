@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 import ast
 import time
-import warnings
 from pathlib import Path
 
-import anndata as ad
 import pandas as pd
 
 import orca_sc
-from orca_sc.benchmark import builtin_tasks
+from orca_sc.benchmark import annotate_task, builtin_tasks
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -52,21 +50,7 @@ def main() -> None:
             if args.true_n_novel:
                 kw["n_novel"] = len(task.novel)
             t0 = time.perf_counter()
-            q, key = task.query, task.labels_key
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if task.single:  # the paper's protocol: one AnnData, query cells unlabelled
-                    q = ad.concat([task.reference, task.query], join="inner", merge="same")
-                    q.obs_names_make_unique()
-                    labs = list(task.reference.obs[key].astype(str)) + [None] * task.query.n_obs
-                    q.obs[key] = pd.Series(labs, index=q.obs_names, dtype=object)
-                    q.obs["truth"] = list(task.reference.obs[key].astype(str)) + list(task.truth)
-                    orca_sc.tl.annotate(q, labels_key=key, seed=seed, progress=False, **kw)
-                else:
-                    q.obs["truth"] = task.truth
-                    orca_sc.tl.annotate(
-                        q, task.reference, labels_key=key, seed=seed, progress=False, **kw
-                    )
+            q, _ = annotate_task(task, seed, **kw)
             rep = orca_sc.metrics.report(q, "truth")
             u = q.uns["orca"]
             row = {

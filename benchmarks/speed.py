@@ -14,11 +14,10 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import orca_sc
-from orca_sc.benchmark import flops_per_cell_epoch, matmul_gflops
+from orca_sc.benchmark import epoch_speed, simulated_open_world
 
 
 def main() -> None:
@@ -32,12 +31,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    a = orca_sc.datasets.simulate(args.cells, args.genes, 10, seed=0)
+    a, lab = simulated_open_world(args.cells, args.genes, seed=0)
     t_sim = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
-    seen = [f"type_{i}" for i in range(5)]
-    lab = a.obs.cell_type.isin(seen).to_numpy() & (rng.random(a.n_obs) < 0.5)
-    a.obs["lab"] = a.obs.cell_type.astype(object).where(lab, None)
     density = a.X.nnz / (a.shape[0] * a.shape[1])
 
     t0 = time.perf_counter()
@@ -46,15 +41,8 @@ def main() -> None:
         orca_sc.tl.annotate(a, labels_key="lab", n_genes=None, epochs=args.epochs, progress=False)
     total = time.perf_counter() - t0
     u = a.uns["orca"]
-    h = u["history"]
-    full = ~np.asarray(h["warmup"], dtype=bool)
-    sec_full = float(np.median(np.asarray(h["seconds"])[full]))
-    h1, h2 = u["params"]["hidden_dims"]
-    k = len(u["seen_classes"]) + u["n_novel"]["heads"]
-    unl_frac = float(np.mean(~lab))
-    fpc = flops_per_cell_epoch(args.genes, h1, h2, k, u["params"]["batch_size"], unl_frac)
-    gflops = matmul_gflops(u["params"]["batch_size"], args.genes, h1)
-    floor = fpc * args.cells / (gflops * 1e9)
+    speed = epoch_speed(a, lab)
+    sec_full = speed["seconds_per_epoch"]
     rep = orca_sc.metrics.report(a, "cell_type")
     out = {
         "cells": args.cells,
@@ -68,9 +56,9 @@ def main() -> None:
         "steps": u["training"]["steps"],
         "seconds_per_epoch_full_objective_median": sec_full,
         "cells_per_second": args.cells / sec_full,
-        "flops_per_cell_epoch": fpc,
-        "measured_matmul_gflops": gflops,
-        "flop_floor_seconds_per_epoch": floor,
+        "flops_per_cell_epoch": speed["flops_per_cell_epoch"],
+        "measured_matmul_gflops": speed["matmul_gflops"],
+        "flop_floor_seconds_per_epoch": speed["flop_floor_seconds_per_epoch"],
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "seen_accuracy": rep["seen_accuracy"],
         "novel_accuracy": rep["novel_accuracy"],

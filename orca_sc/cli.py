@@ -106,16 +106,15 @@ def _cli_logging(quiet: bool):
     """Log and warn on stderr as single lines; ``quiet`` keeps only warnings and errors."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    old_level, old_show = logger.level, warnings.showwarning
+    old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
 
     def show(message, category, filename, lineno, file=None, line=None):
         click.echo(f"Warning: {' '.join(str(message).split())}", err=True)
 
-    warnings.showwarning = show
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores the filters and showwarning on exit
             # orca_sc's own warnings are for the user; third-party notices are noise here
             warnings.simplefilter("ignore")
             warnings.filterwarnings("default", category=UserWarning, module=r"orca_sc(\.|$)")
@@ -124,7 +123,6 @@ def _cli_logging(quiet: bool):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
-        warnings.showwarning = old_show
 
 
 def _read_h5ad(path: str, what: str):
@@ -157,12 +155,13 @@ class _Outputs:
 
     def claim(self, path: str | Path, what: str) -> Path:
         p = Path(path)
-        if p.resolve() in self.claimed:
-            other = self.claimed[p.resolve()]
+        full = p.resolve()
+        if full in self.claimed:
+            other = self.claimed[full]
             raise CliError(
                 f"{what} and {other.lower()} are the same file {str(p)!r}; give each its own path."
             )
-        if p.resolve() in self.inputs:
+        if full in self.inputs:
             raise CliError(
                 f"{what} {str(p)!r} is one of the input files; inputs are never modified. Choose another path."
             )
@@ -172,7 +171,7 @@ class _Outputs:
             raise CliError(
                 f"{what} {str(p)!r} already exists; pass --overwrite to replace it or choose another path."
             )
-        parent = p.parent if str(p.parent) else Path(".")
+        parent = p.parent  # Path("x.h5ad").parent is Path(".")
         if not parent.is_dir():
             raise CliError(
                 f"Directory {str(parent)!r} for the {what.lower()} does not exist; create it first."
@@ -181,7 +180,7 @@ class _Outputs:
             raise CliError(
                 f"Directory {str(parent)!r} is not writable; choose another location for the {what.lower()}."
             )
-        self.claimed[p.resolve()] = what
+        self.claimed[full] = what
         return p
 
     def add(self, path: Path, write: Callable[[Path], None]) -> None:
@@ -329,6 +328,18 @@ def main(debug: bool) -> None:
     """
 
 
+# options shared by annotate and predict
+_result_opts = [
+    click.option(
+        "--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N or mps."
+    ),
+    click.option(
+        "--truth-key",
+        default=None,
+        help="obs column of the query with true types: print the paper's metrics.",
+    ),
+    click.option("--report", default=None, help="Write the summary (and metrics) as JSON here."),
+]
 _output_opts = [
     click.option("--overwrite", is_flag=True, help="Replace output files that already exist."),
     click.option("--quiet", "-q", is_flag=True, help="No progress bar or log messages."),
@@ -399,7 +410,6 @@ def _add(options):
     "--batch-size", default=512, show_default=True, type=int, help="Cells per mini-batch."
 )
 @click.option("--lr", default=1e-3, show_default=True, type=float, help="Adam learning rate.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N or mps.")
 @click.option(
     "--seed",
     default=0,
@@ -410,12 +420,7 @@ def _add(options):
 @click.option(
     "--save-model", default=None, help="Also save the trained model here (for 'orca-sc predict')."
 )
-@click.option(
-    "--truth-key",
-    default=None,
-    help="obs column of the query with true types: print the paper's metrics.",
-)
-@click.option("--report", default=None, help="Write the summary (and metrics) as JSON here.")
+@_add(_result_opts)
 @_add(_output_opts)
 @click.pass_context
 def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer, batch_key,
@@ -500,11 +505,7 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
     default=None,
     help="obs column with batches of the new cells (each aligned separately).",
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N or mps.")
-@click.option(
-    "--truth-key", default=None, help="obs column with true types: print the paper's metrics."
-)
-@click.option("--report", default=None, help="Write the summary (and metrics) as JSON here.")
+@_add(_result_opts)
 @_add(_output_opts)
 @click.pass_context
 def predict(

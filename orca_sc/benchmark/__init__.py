@@ -2,10 +2,23 @@
 baselines, time and memory, scaling, and a Markdown/CSV/plot report (``orca-sc benchmark``).
 """
 
-from ._methods import DEFAULT_METHODS, METHODS, QUICK_METHODS, Method, MethodUnavailable
+from ._methods import (
+    DEFAULT_METHODS,
+    METHODS,
+    QUICK_METHODS,
+    Method,
+    MethodUnavailable,
+    annotate_task,
+)
 from ._report import markdown, write_report
 from ._run import BenchmarkResult, PeakMemory, run_benchmark, score, summarize_runs
-from ._scaling import flops_per_cell_epoch, matmul_gflops, run_scaling
+from ._scaling import (
+    epoch_speed,
+    flops_per_cell_epoch,
+    matmul_gflops,
+    run_scaling,
+    simulated_open_world,
+)
 from ._splits import Task, batch_split, protocol_split
 from ._tasks import TaskSpec, builtin_tasks
 
@@ -19,8 +32,10 @@ __all__ = [
     "PeakMemory",
     "Task",
     "TaskSpec",
+    "annotate_task",
     "batch_split",
     "builtin_tasks",
+    "epoch_speed",
     "flops_per_cell_epoch",
     "markdown",
     "matmul_gflops",
@@ -28,6 +43,7 @@ __all__ = [
     "run_benchmark",
     "run_scaling",
     "score",
+    "simulated_open_world",
     "summarize_runs",
     "write_report",
 ]

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,29 +31,40 @@ class Method:
 
 
 # ------------------------------------------------------------------------------------------ ORCA
-def _orca(task: Task, seed: int, heads_factor: int | None = None, **config) -> np.ndarray:
+def annotate_task(task: Task, seed: int, **config) -> tuple[Any, slice]:
+    """Run :func:`orca_sc.tl.annotate` on a task; returns the annotated AnnData and the slice of
+    its rows that are the query. ``obs['truth']`` holds the true type of every row.
+
+    Protocol splits (``task.single``) are annotated as one AnnData with the query cells
+    unlabelled, as in the paper; cross-batch splits as query + reference.
+    """
     import anndata as ad
 
     from ..tl import annotate
 
     key = task.labels_key
-    if heads_factor is not None:
-        config["n_novel"] = max(1, heads_factor * len(task.novel))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if task.single:
-            # the paper's protocol: labelled and unlabelled cells of one dataset, one AnnData
-            both = ad.concat([task.reference, task.query], join="inner", merge="same")
-            both.obs_names_make_unique()
-            labels = list(task.reference.obs[key].astype(str)) + [None] * task.query.n_obs
-            both.obs[key] = pd.Series(labels, index=both.obs_names, dtype=object)
-            annotate(both, labels_key=key, seed=seed, progress=False, **config)
-            out = both.obs["orca_label"].astype(str).to_numpy()[task.reference.n_obs :]
-        else:
-            q = task.query.copy()
-            annotate(q, task.reference, labels_key=key, seed=seed, progress=False, **config)
-            out = q.obs["orca_label"].astype(str).to_numpy()
-    return out
+            adata = ad.concat([task.reference, task.query], join="inner", merge="same")
+            adata.obs_names_make_unique()
+            ref_labels = list(task.reference.obs[key].astype(str))
+            labels = ref_labels + [None] * task.query.n_obs
+            adata.obs[key] = pd.Series(labels, index=adata.obs_names, dtype=object)
+            adata.obs["truth"] = ref_labels + list(task.truth)
+            annotate(adata, labels_key=key, seed=seed, progress=False, **config)
+            return adata, slice(task.reference.n_obs, None)
+        adata = task.query.copy()
+        adata.obs["truth"] = task.truth
+        annotate(adata, task.reference, labels_key=key, seed=seed, progress=False, **config)
+        return adata, slice(None)
+
+
+def _orca(task: Task, seed: int, heads_factor: int | None = None, **config) -> np.ndarray:
+    if heads_factor is not None:
+        config["n_novel"] = max(1, heads_factor * len(task.novel))
+    adata, rows = annotate_task(task, seed, **config)
+    return adata.obs["orca_label"].astype(str).to_numpy()[rows]
 
 
 # ------------------------------------------------------------------------------------- baselines
@@ -67,13 +79,17 @@ class _Features:
     y_ref: np.ndarray  # class names
 
 
-def _features(task: Task, n_genes: int = 2000) -> _Features:
+def _features(task: Task, n_genes: int | None = 2000) -> _Features:
+    """Computed once per task and gene count; every baseline on the task reuses it."""
     from .._data import prepare
 
-    data = prepare(task.query, task.reference, task.labels_key, OrcaConfig(n_genes=n_genes))
-    lab = data.labels >= 0
-    classes = np.asarray(data.classes, dtype=object)
-    return _Features(data.X[lab], data.X[data.output_rows], classes[data.labels[lab]])
+    cache = task.info.setdefault("_features", {})
+    if n_genes not in cache:
+        data = prepare(task.query, task.reference, task.labels_key, OrcaConfig(n_genes=n_genes))
+        lab = data.labels >= 0
+        classes = np.asarray(data.classes, dtype=object)
+        cache[n_genes] = _Features(data.X[lab], data.X[data.output_rows], classes[data.labels[lab]])
+    return cache[n_genes]
 
 
 def _pca(X_fit, X_apply: list, n_comps: int, seed: int) -> list[np.ndarray]:
@@ -206,9 +222,9 @@ def _celltypist(task: Task, seed: int) -> np.ndarray:
     logging.getLogger("celltypist").setLevel(logging.WARNING)  # its per-step chatter
     f = _features(task, n_genes=None)
     genes = [f"g{i}" for i in range(f.X_ref.shape[1])]
-    ref = ad.AnnData(X=f.X_ref, var=pd.DataFrame(index=genes))
+    ref = ad.AnnData(X=f.X_ref.copy(), var=pd.DataFrame(index=genes))  # shared features
     ref.obs["label"] = f.y_ref
-    query = ad.AnnData(X=f.X_query, var=pd.DataFrame(index=genes))
+    query = ad.AnnData(X=f.X_query.copy(), var=pd.DataFrame(index=genes))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # CellTypist's default solver passes LogisticRegression(multi_class="ovr"), which

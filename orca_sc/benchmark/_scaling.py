@@ -41,7 +41,11 @@ def flops_per_cell_epoch(g: int, h1: int, h2: int, k: int, batch: int, unl_frac:
     return 2 * (fwd + bwd) + pairs + unl_frac * fwd
 
 
-def _simulated(n: int, n_genes: int, seed: int):
+def simulated_open_world(n: int, n_genes: int, seed: int = 0):
+    """Simulated counts of 10 types; half of the cells of types 0-4 labelled in ``obs['lab']``.
+
+    Returns ``(adata, labelled)`` with ``labelled`` a boolean mask.
+    """
     from ..datasets import simulate
 
     a = simulate(n, n_genes, 10, seed=seed)
@@ -50,6 +54,28 @@ def _simulated(n: int, n_genes: int, seed: int):
     lab = a.obs["cell_type"].isin(seen).to_numpy() & (rng.random(a.n_obs) < 0.5)
     a.obs["lab"] = a.obs["cell_type"].astype(object).where(lab, None)
     return a, lab
+
+
+def epoch_speed(adata, labelled: np.ndarray) -> dict:
+    """Seconds per epoch of the full objective (median over the epochs after the warm-up) of an
+    AnnData annotated by ORCA, next to the FLOP floor of its architecture on this machine.
+    """
+    u = adata.uns["orca"]
+    h = u["history"]
+    full = ~np.asarray(h["warmup"], dtype=bool)
+    per_epoch = float(np.median(np.asarray(h["seconds"])[full]))
+    h1, h2 = u["params"]["hidden_dims"]
+    k = len(u["seen_classes"]) + u["n_novel"]["heads"]
+    batch = u["params"]["batch_size"]
+    g = u["data"]["n_genes_used"]  # genes the network was trained on
+    fpc = flops_per_cell_epoch(g, h1, h2, k, batch, float(np.mean(~labelled)))
+    gflops = matmul_gflops(batch, g, h1)
+    return {
+        "seconds_per_epoch": per_epoch,
+        "flops_per_cell_epoch": fpc,
+        "matmul_gflops": gflops,
+        "flop_floor_seconds_per_epoch": fpc * adata.n_obs / (gflops * 1e9),
+    }
 
 
 def _orca_point(a, lab, epochs: int, seed: int) -> dict:
@@ -63,20 +89,15 @@ def _orca_point(a, lab, epochs: int, seed: int) -> dict:
             seed=seed, progress=False,
         )  # fmt: skip
         total = time.perf_counter() - t0
-    u = a.uns["orca"]
-    h = u["history"]
-    full = ~np.asarray(h["warmup"], dtype=bool)
-    per_epoch = float(np.median(np.asarray(h["seconds"])[full]))
-    h1, h2 = u["params"]["hidden_dims"]
-    k = len(u["seen_classes"]) + u["n_novel"]["heads"]
-    fpc = flops_per_cell_epoch(a.n_vars, h1, h2, k, u["params"]["batch_size"], float(np.mean(~lab)))
-    gflops = matmul_gflops(u["params"]["batch_size"], a.n_vars, h1)
+    speed = epoch_speed(a, lab)
+    per_epoch = speed["seconds_per_epoch"]
+    n_epochs = a.uns["orca"]["training"]["epochs"]
     return {
         "seconds": total,
         "seconds_per_epoch": per_epoch,
-        "seconds_20_epochs_est": total - u["training"]["epochs"] * per_epoch + 20 * per_epoch,
-        "flop_floor_seconds_per_epoch": fpc * a.n_obs / (gflops * 1e9),
-        "matmul_gflops": gflops,
+        "seconds_20_epochs_est": total - n_epochs * per_epoch + 20 * per_epoch,
+        "flop_floor_seconds_per_epoch": speed["flop_floor_seconds_per_epoch"],
+        "matmul_gflops": speed["matmul_gflops"],
         "peak_mb": mem.peak_mb,
     }
 
@@ -142,7 +163,7 @@ def run_scaling(
     _warm_up()
     rows = []
     for n in sizes:
-        a, lab = _simulated(n, n_genes, seed)
+        a, lab = simulated_open_world(n, n_genes, seed)
         orca = _orca_point(a, lab, epochs, seed)
         rows.append({"method": "ORCA", "n_cells": n, **orca})
         try:

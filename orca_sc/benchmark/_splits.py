@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .._data import OrcaInputError
+from .._data import OrcaInputError, _labels_column, batch_column
 
 TRUTH = "_truth"
 
@@ -46,11 +46,7 @@ class Task:
 
 
 def _labels(adata: Any, labels_key: str) -> pd.Series:
-    if labels_key not in adata.obs.columns:
-        cols = ", ".join(map(repr, adata.obs.columns))
-        msg = f"labels_key {labels_key!r} is not an obs column; columns: {cols}."
-        raise OrcaInputError(msg)
-    col = adata.obs[labels_key]
+    col = _labels_column(adata, labels_key, "data")
     if col.isna().any():
         msg = f"obs[{labels_key!r}] has missing labels; benchmarks need every cell labelled."
         raise OrcaInputError(msg)
@@ -111,10 +107,7 @@ def batch_split(
     absent from the reference are novel.
     """
     truth = _labels(adata, labels_key)
-    if batch_key not in adata.obs.columns:
-        cols = ", ".join(map(repr, adata.obs.columns))
-        raise OrcaInputError(f"batch_key {batch_key!r} is not an obs column; columns: {cols}.")
-    batch = adata.obs[batch_key].astype(str)
+    batch = pd.Series(batch_column(adata, batch_key, "data"), index=adata.obs_names)
     refs = [str(b) for b in reference_batches]
     missing = sorted(set(refs) - set(batch.unique()))
     if missing:

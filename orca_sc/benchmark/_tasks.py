@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ._splits import Task, batch_split, protocol_split
@@ -61,61 +62,33 @@ def pbmc68k(seed: int) -> Task:
     return protocol_split(a, "cell_type", seed=seed, name="pbmc68k_protocol")
 
 
+#: (file in the data directory, task name, kind, builder(path, name, seed), description)
+_FILE_TASKS = [
+    ("tm_facs_scfind.h5ad", "tm_kidney_to_marrow", "cross-batch", lambda p, n, s: _tm(p, s),
+     "Tabula Muris FACS: kidney reference, marrow query (B-lineage types novel)"),
+    ("baron_mouse.h5ad", "baron_mouse1_to_mouse2", "cross-batch", lambda p, n, s: _baron(p, s),
+     f"pancreas, mouse 1 reference without {', '.join(BARON_HIDDEN)}; mouse 2 query"),
+    ("scannotate_pbmc.h5ad", "pbmc_dropseq_to_indrops", "cross-batch",
+     lambda p, n, s: _pbmc_tech(p, s),
+     "PBMC cross-technology: Drop-seq reference without B cells; inDrops query"),
+    ("mca_bladder.h5ad", "mca_bladder_protocol", "protocol", _protocol_file,
+     "mca_bladder: paper protocol (half the classes seen, half of each labelled)"),
+    ("worm_neuron.h5ad", "worm_neuron_protocol", "protocol", _protocol_file,
+     "worm_neuron: paper protocol (half the classes seen, half of each labelled)"),
+]  # fmt: skip
+
+
 def builtin_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
     """pbmc68k_reduced (ships with scanpy) plus every task whose file is in ``data_dir``."""
-    specs = []
     d = Path(data_dir) if data_dir is not None else None
-
-    def have(name):
-        return d is not None and (d / name).is_file()
-
-    if have("tm_facs_scfind.h5ad"):
-        p = d / "tm_facs_scfind.h5ad"
-        specs.append(
-            TaskSpec(
-                "tm_kidney_to_marrow",
-                "cross-batch",
-                lambda s, p=p: _tm(p, s),
-                "Tabula Muris FACS: kidney reference, marrow query (B-lineage types novel)",
-            )
-        )
-    if have("baron_mouse.h5ad"):
-        p = d / "baron_mouse.h5ad"
-        specs.append(
-            TaskSpec(
-                "baron_mouse1_to_mouse2",
-                "cross-batch",
-                lambda s, p=p: _baron(p, s),
-                f"pancreas, mouse 1 reference without {', '.join(BARON_HIDDEN)}; mouse 2 query",
-            )
-        )
-    if have("scannotate_pbmc.h5ad"):
-        p = d / "scannotate_pbmc.h5ad"
-        specs.append(
-            TaskSpec(
-                "pbmc_dropseq_to_indrops",
-                "cross-batch",
-                lambda s, p=p: _pbmc_tech(p, s),
-                "PBMC cross-technology: Drop-seq reference without B cells; inDrops query",
-            )
-        )
-    for file, name in (("mca_bladder.h5ad", "mca_bladder"), ("worm_neuron.h5ad", "worm_neuron")):
-        if have(file):
-            p = d / file
-            specs.append(
-                TaskSpec(
-                    f"{name}_protocol",
-                    "protocol",
-                    lambda s, p=p, n=f"{name}_protocol": _protocol_file(p, n, s),
-                    f"{name}: paper protocol (half the classes seen, half of each labelled)",
-                )
-            )
+    specs = [
+        TaskSpec(name, kind, partial(build, d / file, name), description)
+        for file, name, kind, build, description in _FILE_TASKS
+        if d is not None and (d / file).is_file()
+    ]
     specs.append(
         TaskSpec(
-            "pbmc68k_protocol",
-            "protocol",
-            pbmc68k,
-            "pbmc68k_reduced (scanpy): paper protocol",
+            "pbmc68k_protocol", "protocol", pbmc68k, "pbmc68k_reduced (scanpy): paper protocol"
         )
     )
     return specs

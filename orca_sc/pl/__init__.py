@@ -22,17 +22,22 @@ def _plt():
     return plt
 
 
-def _finish(ax, show: bool | None, save: str | None):
-    plt = _plt()
-    fig = ax.figure
+def _finish(obj, show: bool | None, save: str | None):
+    """Save and/or show a plot: ``obj`` is matplotlib ``Axes`` or a scanpy plot object (which
+    has its own ``savefig`` and ``show``). Returns ``obj`` unless it was shown.
+    """
     if save:
-        fig.savefig(save, dpi=150, bbox_inches="tight")
+        target = obj if hasattr(obj, "savefig") else obj.figure
+        target.savefig(save, dpi=150, bbox_inches="tight")
     if show is None:
         show = not save
     if show:
-        plt.show()
+        if hasattr(obj, "show"):
+            obj.show()
+        else:
+            _plt().show()
         return None
-    return ax
+    return obj
 
 
 def _labels(adata: Any, key_added: str) -> tuple[pd.Series, list[str]]:
@@ -189,30 +194,19 @@ def novel_markers(
     save: str | None = None,
     **kwargs: Any,
 ):
-    """Dot plot (``sc.pl.dotplot``) of the top ``n_genes`` markers of every novel cluster (see
-    :func:`orca_sc.tl.summarize`), across all ORCA labels. Returns the scanpy ``DotPlot`` if
-    ``show=False``.
+    """Dot plot (``sc.pl.dotplot``) of the top ``n_genes`` markers of every novel cluster (the
+    markers of :func:`orca_sc.tl.summarize`), across all ORCA labels. Returns the scanpy
+    ``DotPlot`` if ``show=False``.
     """
-    import anndata as ad
     import scanpy as sc
 
-    from .._data import get_matrix, to_log_normalized
-    from ..tl import summarize
+    from ..tl._summary import lognormalized, marker_genes
 
-    summary = summarize(adata, key_added=key_added, n_markers=n_genes, layer=layer)
-    markers = {r["name"]: r["markers"] for r in summary["novel"] if r["markers"]}
+    lab, novel = _labels(adata, key_added)
+    key = f"{key_added}_label"
+    view = lognormalized(adata, lab, layer, key=key)
+    markers = {g: m for g, m in marker_genes(view, novel, n_genes, key=key).items() if m}
     if not markers:
         raise ValueError("no novel cluster with markers to plot (no novel clusters found).")
-    X, _ = to_log_normalized(get_matrix(adata, layer, "annotated data"), 1e4)
-    tmp = ad.AnnData(X=X, obs=adata.obs[[f"{key_added}_label"]].copy(),
-                     var=pd.DataFrame(index=adata.var_names.astype(str)))  # fmt: skip
-    dp = sc.pl.dotplot(tmp, markers, groupby=f"{key_added}_label", show=False,
-                       return_fig=True, **kwargs)  # fmt: skip
-    if save:
-        dp.savefig(save, dpi=150, bbox_inches="tight")
-    if show is None:
-        show = not save
-    if show:
-        dp.show()
-        return None
-    return dp
+    dp = sc.pl.dotplot(view, markers, groupby=key, show=False, return_fig=True, **kwargs)
+    return _finish(dp, show, save)

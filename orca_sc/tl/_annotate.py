@@ -185,9 +185,10 @@ def annotate(
     for rank, h in enumerate(order):
         head_names[n_seen + h] = f"novel_{rank + 1}"
     model.head_names = head_names
-    labels_all = model.labels_for(model.assign_heads(pred.probs))
+    head = model.assign_heads(pred.probs)  # pruned heads excluded
+    labels_all = model.labels_for(head)
     novel_sizes = {head_names[n_seen + h]: int(counts[h]) for h in order}
-    similarity = _novel_similarity(data, scale, offset, model.assign_heads(pred.probs), head_names)
+    similarity = _novel_similarity(data, scale, offset, head, head_names)
     model.extra = {
         "alignment": _jsonable(align_info),
         "estimate": _jsonable(estimate),

@@ -87,20 +87,39 @@ def _markers(
     adata: Any, labels: pd.Series, groups: list[str], n: int, layer: str | None
 ) -> dict[str, list[str]]:
     """Top ``n`` Wilcoxon markers of each group in ``groups`` against the rest."""
+    sizes = labels.value_counts()
+    if not any(sizes.get(g, 0) >= 2 for g in groups) or len(sizes) < 2:
+        return {}  # nothing to rank: skip normalising the matrix
+    return marker_genes(lognormalized(adata, labels, layer), groups, n)
+
+
+def lognormalized(adata: Any, labels: pd.Series, layer: str | None, key: str = "label"):
+    """A new AnnData with ``adata``'s expression log-normalised (counts are normalised to 10⁴
+    first; log-normalised values kept) and ``obs[key] = labels`` — for markers and dot plots.
+    """
     import anndata as ad
+
+    X, _ = to_log_normalized(get_matrix(adata, layer, "annotated data"), 1e4)
+    obs = pd.DataFrame({key: labels.to_numpy()}, index=adata.obs_names.astype(str))
+    if not isinstance(obs[key].dtype, pd.CategoricalDtype):
+        obs[key] = pd.Categorical(obs[key])
+    return ad.AnnData(X=X, obs=obs, var=pd.DataFrame(index=adata.var_names.astype(str)))
+
+
+def marker_genes(view: Any, groups: list[str], n: int, key: str = "label") -> dict[str, list[str]]:
+    """Top ``n`` Wilcoxon markers (vs the rest) of each group of ``view.obs[key]`` in ``groups``
+    that has at least 2 cells; ``view`` from :func:`lognormalized`.
+    """
     import scanpy as sc
 
-    sizes = labels.value_counts()
+    sizes = view.obs[key].value_counts()
     groups = [g for g in groups if sizes.get(g, 0) >= 2]
-    if not groups or len(sizes) < 2:
+    if not groups or (sizes > 0).sum() < 2:
         return {}
-    X, _ = to_log_normalized(get_matrix(adata, layer, "annotated data"), 1e4)
-    obs = pd.DataFrame({"g": pd.Categorical(labels.to_numpy())}, index=adata.obs_names.astype(str))
-    tmp = ad.AnnData(X=X, obs=obs, var=pd.DataFrame(index=adata.var_names.astype(str)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # scanpy's own notices about the data do not concern users
         sc.tl.rank_genes_groups(
-            tmp, "g", groups=groups, reference="rest", method="wilcoxon", n_genes=n
+            view, key, groups=groups, reference="rest", method="wilcoxon", n_genes=n
         )
-    names = tmp.uns["rank_genes_groups"]["names"]
+    names = view.uns["rank_genes_groups"]["names"]
     return {g: [str(x) for x in names[g]] for g in groups}
