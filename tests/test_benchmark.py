@@ -142,3 +142,10 @@ def test_benchmark_cli_bad_options(tmp_path):
     assert "unknown --task ['nope']" in err("--task", "nope")
     assert "--h5ad needs --labels-key" in err("--h5ad", str(tmp_path / "x.h5ad"))
     assert "comma-separated list of ints" in err("--seeds", "a,b")
+
+
+def test_celltypist_baseline_is_seeded(sim):
+    pytest.importorskip("celltypist")
+    t = B.batch_split(sim, "cell_type", "batch", ["batch_0"], novel_classes=["type_4", "type_5"])
+    run = B.METHODS["CellTypist + Leiden"].run
+    np.testing.assert_array_equal(run(t, 0), run(t, 0))

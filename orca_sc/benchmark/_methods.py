@@ -231,7 +231,7 @@ def _celltypist(task: Task, seed: int) -> np.ndarray:
         # scikit-learn 1.8 removed; its SGD mode (one-vs-rest logistic loss) works unchanged
         model = celltypist.train(
             ref, labels="label", check_expression=False, use_SGD=True, n_jobs=1,
-            feature_selection=False, max_iter=1000,
+            feature_selection=False, max_iter=1000, random_state=seed,
         )  # fmt: skip
         res = celltypist.annotate(query, model, mode="prob match", p_thres=0.5)
     labels = res.predicted_labels["predicted_labels"].astype(str).to_numpy()

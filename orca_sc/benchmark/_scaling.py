@@ -139,7 +139,7 @@ def _celltypist_point(a, lab, seed: int) -> dict:
         # with mini-batches as CellTypist recommends for large data
         model = celltypist.train(
             ref, labels="label", check_expression=False, use_SGD=True, mini_batch=True,
-            n_jobs=1, feature_selection=False,
+            n_jobs=1, feature_selection=False, random_state=seed,
         )  # fmt: skip
         celltypist.annotate(ad.AnnData(X=X[~lab], var=a.var[[]]), model, mode="prob match")
         total = time.perf_counter() - t0
