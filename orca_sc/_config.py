@@ -54,6 +54,10 @@ class OrcaConfig:
         data: the number of candidate novel clusters found after the warm-up.
     resolution
         Leiden resolution used to find candidate novel clusters (higher: more, smaller clusters).
+    hidden_novel
+        Also look for novel types inside seen classes: in batches holding labelled cells, a
+        sub-cluster of a seen class that lacks its share of labelled cells is a candidate novel
+        cluster (see :func:`orca_sc._estimate.hidden_novel_clusters`).
 
     Training (paper Eq. 1–6)
     ------------------------
@@ -100,6 +104,7 @@ class OrcaConfig:
     dropout: float = 0.1
     n_novel: int | str = "auto"
     resolution: float = 0.5
+    hidden_novel: bool = True
     # training
     epochs: int = 20
     batch_size: int = 512
@@ -171,6 +176,8 @@ class OrcaConfig:
             "cuda:"
         ):
             bad("device", self.device, '"auto", "cpu", "cuda", "cuda:N" or "mps"')
+        if not isinstance(self.hidden_novel, bool):
+            bad("hidden_novel", self.hidden_novel, "True or False")
         if not _is_int(self.seed):
             bad("seed", self.seed, "an integer")
 

@@ -136,6 +136,57 @@ def ood_clusters(
     return assign, [int(counts[c]) for c in keep], tau
 
 
+def hidden_novel_clusters(
+    head: np.ndarray,
+    labels: np.ndarray,
+    same_batch: np.ndarray,
+    n_seen: int,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    min_size: int,
+    resolution: float = 0.5,
+    alpha: float = 1e-3,
+    max_rel_fraction: float = 0.25,
+    seed: int = 0,
+) -> list[np.ndarray]:
+    """Novel types hiding inside seen heads, found from where labelled cells are missing.
+
+    Within a batch where cells were labelled at random (the same distribution as the unlabelled
+    ones), every sub-population of a known type carries its share of labelled cells. For each
+    seen class ``k``, the cells of those batches that belong to it (labelled ``k``, or unlabelled
+    with ``head == k``) are clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``);
+    a sub-cluster of at least ``min_size`` unlabelled cells whose labelled fraction is below
+    ``max_rel_fraction`` times the class's and improbably low under a binomial draw at the
+    class's fraction (one-sided p < ``alpha``) is a novel type the seen head absorbed (e.g. two
+    related epithelial types of which only one is labelled). Cells of batches without labelled
+    cells (a separate query) are not tested: there a missing label says nothing.
+
+    ``head``: the seen head of each unlabelled cell (ignored for labelled cells). Returns the
+    index arrays (into the given cells) of the unlabelled members of each such sub-cluster.
+    """
+    from scipy.stats import binom
+
+    lab = labels >= 0
+    found: list[np.ndarray] = []
+    for k in range(n_seen):  # loop over classes, not cells
+        members = np.flatnonzero(same_batch & ((lab & (labels == k)) | (~lab & (head == k))))
+        n_lab = int(lab[members].sum())
+        n_unl = members.size - n_lab
+        if n_lab < 2 or n_unl < min_size:
+            continue
+        frac = n_lab / members.size
+        codes = leiden(pca_of(members), resolution, seed)
+        for c in np.unique(codes):
+            in_c = members[codes == c]
+            c_lab = int(lab[in_c].sum())
+            c_unl = in_c.size - c_lab
+            if c_unl < min_size or c_lab / in_c.size >= max_rel_fraction * frac:
+                continue
+            if binom.cdf(c_lab, in_c.size, frac) < alpha:
+                found.append(in_c[~lab[in_c]])
+    return found
+
+
 def novel_clusters(
     emb: np.ndarray,
     labeled: np.ndarray,

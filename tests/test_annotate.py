@@ -226,6 +226,35 @@ def test_auto_n_novel_without_warmup_uses_pca_estimate(small_sim):
     assert u["n_novel"]["heads"] == 2
 
 
+def test_hidden_novel_cells_absorbed_by_seen_heads_are_found(small_sim, monkeypatch):
+    """After the warm-up some novel cells sit in a seen head without being out-of-distribution;
+    the hidden-type test (a sub-cluster of a seen class without its share of labelled cells)
+    finds them, and only them: every cell it returns is of a novel type."""
+    import orca_sc.tl._annotate as ann
+
+    truth = small_sim.obs["cell_type"].astype(str).to_numpy()
+    found = []
+
+    def spy(*args, **kwargs):
+        groups = hidden_novel_clusters(*args, **kwargs)
+        found.extend(groups)
+        return groups
+
+    from orca_sc._estimate import hidden_novel_clusters
+
+    monkeypatch.setattr(ann, "hidden_novel_clusters", spy)
+    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **FAST)
+    e = a.uns["orca"]["estimate"]
+    assert e["n_hidden_in_seen"] == len(found) >= 1
+    assert e["n_out_of_distribution"] + e["n_hidden_in_seen"] == e["n_novel"]
+    cells = np.concatenate(found)
+    assert np.isin(truth[cells], ["type_3", "type_4"]).all()
+    assert a.uns["orca"]["n_novel"]["found"] == 2  # heads of one type merge in training
+    b = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, hidden_novel=False, **FAST)
+    assert "sub-clusters" not in b.uns["orca"]["estimate"]["method"]
+    assert b.uns["orca"]["estimate"]["n_hidden_in_seen"] == 0
+
+
 def test_tl_predict_and_similarity_of_novel_clusters(small_sim, tmp_path):
     """tl.predict writes the annotate fields; a batch column aligns each batch separately."""
     model = orca_sc.tl.annotate(small_sim, labels_key="lab", return_model=True, **FAST)

@@ -215,6 +215,61 @@ def test_leiden_on_more_than_4096_cells_finds_blobs():
     np.testing.assert_array_equal(codes, leiden(emb, resolution=0.3, seed=0))  # seeded
 
 
+def _hidden_fixture(seed=0):
+    """Seen classes A (400 cells) and B (300), each half labelled at random, plus a novel type H
+    (120 unlabelled cells) that the seen head of A absorbed; one more batch holds unlabelled A
+    cells only (a separate query). Features are the 'PCA' directly."""
+    rng = np.random.default_rng(seed)
+    centers = {"A": np.zeros(10), "B": np.r_[12.0, np.zeros(9)], "H": np.r_[0, 6.0, np.zeros(8)]}
+    n = {"A": 400, "B": 300, "H": 120}
+    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 10)) for t in n])
+    truth = np.repeat(list(n), list(n.values()))
+    labels = np.where(truth == "A", 0, np.where(truth == "B", 1, -1))
+    labels[(labels >= 0) & (rng.random(truth.size) < 0.5)] = -1
+    head = np.where(truth == "B", 1, 0)  # H absorbed by A's head
+    # a second batch: 150 unlabelled cells of A, shifted (a batch effect), no labels at all
+    emb = np.vstack([emb, centers["A"] + np.r_[0, 0, 6.0, np.zeros(7)] + rng.normal(0, 1, (150, 10))])
+    truth = np.r_[truth, ["A"] * 150]
+    labels = np.r_[labels, [-1] * 150]
+    head = np.r_[head, [0] * 150]
+    same_batch = np.r_[np.ones(820, bool), np.zeros(150, bool)]
+    return emb, truth, labels, head, same_batch
+
+
+def test_hidden_novel_clusters_finds_a_type_absorbed_by_a_seen_head():
+    from orca_sc._estimate import hidden_novel_clusters
+
+    emb, truth, labels, head, same_batch = _hidden_fixture()
+    groups = hidden_novel_clusters(
+        head, labels, same_batch, 2, lambda idx: emb[idx], min_size=5, resolution=0.5
+    )
+    assert len(groups) == 1
+    found = truth[groups[0]]
+    assert (found == "H").mean() > 0.95 and (found == "H").sum() >= 110
+    assert (labels[groups[0]] == -1).all()
+    # the shifted query batch has no labelled cells: not tested, so not called novel
+    assert not np.isin(groups[0], np.flatnonzero(~same_batch)).any()
+    # with the same batch flagged as labelled-batch, its lack of labels would count as evidence
+    all_batches = hidden_novel_clusters(
+        head, labels, np.ones_like(same_batch), 2, lambda idx: emb[idx], min_size=5
+    )
+    assert len(all_batches) == 2
+
+
+def test_hidden_novel_clusters_leaves_randomly_labelled_substructure_alone():
+    from orca_sc._estimate import hidden_novel_clusters
+
+    emb, truth, labels, head, same_batch = _hidden_fixture()
+    # label H's cells at the same rate as A's: then H is a sub-type of A, not a hidden novel type
+    rng = np.random.default_rng(1)
+    h = np.flatnonzero(truth == "H")
+    labels[h] = np.where(rng.random(h.size) < 0.5, 0, -1)
+    groups = hidden_novel_clusters(
+        head, labels, same_batch, 2, lambda idx: emb[idx], min_size=5
+    )
+    assert groups == []
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -231,6 +286,7 @@ def test_leiden_on_more_than_4096_cells_finds_blobs():
         ("alignment", "magic"),
         ("device", "tpu"),
         ("seed", 1.5),
+        ("hidden_novel", "yes"),
     ],
 )
 def test_every_config_field_is_validated(field, value):

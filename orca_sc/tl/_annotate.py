@@ -21,6 +21,7 @@ from .._config import OrcaConfig
 from .._data import prepare
 from .._estimate import (
     estimate_n_novel,
+    hidden_novel_clusters,
     min_cluster_size,
     ood_clusters,
     pca_embedding,
@@ -140,9 +141,11 @@ def annotate(
                 pca_embedding, data.X, data.domain, scale, offset, n_comps=30, seed=cfg.seed
             ),
             labels=data.labels,
+            domain=data.domain,
             rows=subsample_rows(data.n_cells, cfg.seed),
             n_novel=cfg.n_novel,
             resolution=cfg.resolution,
+            hidden=cfg.hidden_novel,
             seed=cfg.seed,
         )
     else:
@@ -284,7 +287,9 @@ def write_fields(
     adata.obsm[f"X_{key_added}"] = np.asarray(embedding, dtype=np.float32)
 
 
-def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, seed):
+def _init_novel_heads(
+    net, data, *, pca_of, labels, domain, rows, n_novel, resolution, hidden, seed
+):
     """Prototypes of candidate novel clusters (see :func:`orca_sc._train.train`).
 
     Candidates (:func:`orca_sc._estimate.ood_clusters`) are clusters of the unlabelled cells that
@@ -295,13 +300,40 @@ def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, s
     seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
     sims = emb @ seen_w.T  # (n_rows, n_seen) cosine to each seen head
     maxcos = sims.max(axis=1)
+    lab_r = labels[rows]
     assign, sizes, tau = ood_clusters(
         maxcos,
-        labels[rows] >= 0,
+        lab_r >= 0,
         lambda idx: pca_of(rows=rows[idx]),
         resolution=resolution,
         seed=seed,
     )
+    n_ood = len(sizes)
+    if hidden:
+        # novel types that the seen heads absorbed: sub-clusters of a seen class without their
+        # share of labelled cells, in batches where cells were labelled
+        dom_r = domain[rows]
+        same_batch = np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
+        head_r = np.where(assign >= 0, -1, sims.argmax(axis=1))
+        groups = hidden_novel_clusters(
+            head_r,
+            lab_r,
+            same_batch,
+            sims.shape[1],
+            lambda idx: pca_of(rows=rows[idx]),
+            min_size=min_cluster_size(int((lab_r < 0).sum())),
+            resolution=resolution,
+            seed=seed,
+        )
+        for g in groups:
+            assign[g] = len(sizes)
+            sizes.append(int(g.size))
+        if groups:  # candidates ranked by size, largest first
+            order = np.argsort(-np.asarray(sizes), kind="stable")
+            rank = np.empty_like(order)
+            rank[order] = np.arange(order.size)
+            assign = np.where(assign >= 0, rank[np.maximum(assign, 0)], -1)
+            sizes = [sizes[i] for i in order]
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     protos = rng.normal(size=(k, emb.shape[1]))
     for j in range(min(k, len(sizes))):
@@ -312,7 +344,6 @@ def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, s
     # head after the warm-up (so a known type that is rare in the reference but common in the
     # query keeps its share)
     n_seen = seen_w.shape[0]
-    lab_r = labels[rows]
     head = np.where(lab_r >= 0, lab_r, sims.argmax(axis=1))
     in_cand = (assign >= 0) & (assign < k)
     head = np.where(in_cand, n_seen + assign, head)
@@ -327,7 +358,10 @@ def _init_novel_heads(net, data, *, pca_of, labels, rows, n_novel, resolution, s
     info = {
         "n_novel": len(sizes),
         "cluster_sizes": sizes,
-        "method": "Leiden clusters of cells below the 1% quantile of labelled max cosine",
+        "n_out_of_distribution": n_ood,
+        "n_hidden_in_seen": len(sizes) - n_ood,
+        "method": "Leiden clusters of cells below the 1% quantile of labelled max cosine"
+        + (", and sub-clusters of seen classes without labelled cells" if hidden else ""),
         "threshold": tau,
         "prior": prior.tolist(),
     }
