@@ -135,6 +135,7 @@ def train(
     n_heads: int,
     config: OrcaConfig,
     novel_init: Callable[[OrcaNet, DeviceCSR], tuple[torch.Tensor, dict]] | None = None,
+    pair_features: np.ndarray | None = None,
 ) -> TrainResult:
     """Fit an :class:`OrcaNet` with the ORCA objective. Same seed and device give the same net.
 
@@ -147,12 +148,16 @@ def train(
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.seed)
-        result = _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init)
+        result = _train(
+            X, labels, domain, scale, offset, n_heads, config, device, novel_init, pair_features
+        )
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init) -> TrainResult:
+def _train(
+    X, labels, domain, scale, offset, n_heads, config, device, novel_init, pair_features
+) -> TrainResult:
     from tqdm import tqdm
 
     rng = np.random.default_rng(config.seed)
@@ -178,6 +183,9 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
         mininterval=0.1 if tty else 10.0,
     )
     n_steps = 0
+    pair_feats = None
+    if pair_features is not None:  # fixed similarity space for the unlabelled cells' partners
+        pair_feats = torch.as_tensor(pair_features, dtype=torch.float32, device=device)
     novel_info: dict = {}
     prior = None  # uniform
     for epoch in bar:
@@ -210,7 +218,8 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
             idx = torch.as_tensor(idx_np, device=device)
             x = data.rows(idx)  # (B, G)
             y = y_all[idx]  # (B,)
-            parts = _losses(net, x, y, margin, full, config, pair_gen, prior)
+            pf = pair_feats[idx] if pair_feats is not None else None
+            parts = _losses(net, x, y, margin, full, config, pair_gen, prior, pf)
             loss = parts[0]
             if not torch.isfinite(loss):
                 msg = (
@@ -243,7 +252,7 @@ def _train(X, labels, domain, scale, offset, n_heads, config, device, novel_init
     return TrainResult(net, history, n_epochs, n_steps, 0.0, str(device), novel_info)
 
 
-def _losses(net, x, y, margin, full, config, gen, prior):
+def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None):
     """Eq. 1: L = L_S + eta1 L_P + eta2 R, each term switchable."""
     logits, feat = net(x)  # (B, K), (B, D)
     lab = y >= 0
@@ -256,7 +265,7 @@ def _losses(net, x, y, margin, full, config, gen, prior):
     prob = F.softmax(logits, dim=1)
     logits2, _ = net(x)  # second view: another dropout mask
     prob2 = F.softmax(logits2, dim=1)
-    pair_idx = select_pairs(feat, y, gen)
+    pair_idx = select_pairs(feat if pair_feats is None else pair_feats, y, gen)
     pair = pairwise_loss(prob, prob2[pair_idx])
     reg = entropy_regularizer(prob, prior) if config.regularizer else zero
     loss = sup + config.eta1 * pair + config.eta2 * reg

@@ -287,6 +287,8 @@ def test_hidden_novel_clusters_leaves_randomly_labelled_substructure_alone():
         ("device", "tpu"),
         ("seed", 1.5),
         ("hidden_novel", "yes"),
+        ("pair_space", "raw"),
+        ("pair_pcs", 1),
     ],
 )
 def test_every_config_field_is_validated(field, value):

@@ -160,7 +160,16 @@ def annotate(
                 resolution=cfg.resolution,
             )
         n_heads0 = n_seen + (estimate["n_novel"] if cfg.n_novel == "auto" else int(cfg.n_novel))
-    result = train(data.X, data.labels, data.domain, scale, offset, n_heads0, cfg, hook)
+    pair_features = None
+    if cfg.pair_space == "pca":
+        # the unlabelled cells' pairwise partners are chosen in the PCA of the aligned expression:
+        # the net's embedding, trained on the seen classes, does not yet separate novel types
+        pair_features = pca_embedding(
+            data.X, data.domain, scale, offset, n_comps=cfg.pair_pcs, seed=cfg.seed
+        )
+    result = train(
+        data.X, data.labels, data.domain, scale, offset, n_heads0, cfg, hook, pair_features
+    )
     estimate = estimate or result.novel_info
     n_novel_heads = result.net.head.weight.shape[0] - n_seen
     logger.info(
