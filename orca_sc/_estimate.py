@@ -39,12 +39,14 @@ def pca_embedding(
     seed: int = 0,
     rows: np.ndarray | None = None,
 ) -> np.ndarray:
-    """PCA of the aligned data, computed chunk by chunk (the full matrix is never densified)."""
+    """PCA of the aligned data: fitted on one chunk (at most 8,192 random cells), applied chunk by
+    chunk, so the full matrix is never densified.
+    """
     from sklearn.decomposition import PCA
 
     rows = np.arange(X.shape[0]) if rows is None else rows
     rng = np.random.default_rng(seed)
-    fit_rows = rows if rows.size <= 10_000 else rng.choice(rows, 10_000, replace=False)
+    fit_rows = rows if rows.size <= _CHUNK else rng.choice(rows, _CHUNK, replace=False)
     n_comps = int(min(n_comps, fit_rows.size - 1, X.shape[1] - 1))
     pca = PCA(n_components=n_comps, random_state=seed)
     pca.fit(_dense(X, domain, scale, offset, fit_rows))

@@ -229,7 +229,8 @@ def test_auto_n_novel_without_warmup_uses_pca_estimate(small_sim):
 def test_hidden_novel_cells_absorbed_by_seen_heads_are_found(small_sim, monkeypatch):
     """After the warm-up some novel cells sit in a seen head without being out-of-distribution;
     the hidden-type test (a sub-cluster of a seen class without its share of labelled cells)
-    finds them, and only them: every cell it returns is of a novel type."""
+    finds them, and only them: every cell it returns is of a novel type.
+    """
     import orca_sc.tl._annotate as ann
 
     truth = small_sim.obs["cell_type"].astype(str).to_numpy()
@@ -296,7 +297,8 @@ def test_over_provisioned_heads_do_not_take_known_cells(small_sim, n_novel):
 
 def test_novel_cells_are_not_absorbed_by_seen_heads_on_simulated_counts():
     """10 simulated types, 5 novel: with partners chosen in the net's embedding (the paper's
-    literal choice) 46% of the novel cells end in seen heads (measured); in the PCA space < 5%."""
+    literal choice) 46% of the novel cells end in seen heads (measured); in the PCA space < 5%.
+    """
     from orca_sc.benchmark import simulated_open_world
 
     a, lab = simulated_open_world(3000, 1000, seed=0)

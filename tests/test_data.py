@@ -218,7 +218,8 @@ def test_leiden_on_more_than_4096_cells_finds_blobs():
 def _hidden_fixture(seed=0):
     """Seen classes A (400 cells) and B (300), each half labelled at random, plus a novel type H
     (120 unlabelled cells) that the seen head of A absorbed; one more batch holds unlabelled A
-    cells only (a separate query). Features are the 'PCA' directly."""
+    cells only (a separate query). Features are the 'PCA' directly.
+    """
     rng = np.random.default_rng(seed)
     centers = {"A": np.zeros(10), "B": np.r_[12.0, np.zeros(9)], "H": np.r_[0, 6.0, np.zeros(8)]}
     n = {"A": 400, "B": 300, "H": 120}
@@ -228,7 +229,9 @@ def _hidden_fixture(seed=0):
     labels[(labels >= 0) & (rng.random(truth.size) < 0.5)] = -1
     head = np.where(truth == "B", 1, 0)  # H absorbed by A's head
     # a second batch: 150 unlabelled cells of A, shifted (a batch effect), no labels at all
-    emb = np.vstack([emb, centers["A"] + np.r_[0, 0, 6.0, np.zeros(7)] + rng.normal(0, 1, (150, 10))])
+    emb = np.vstack(
+        [emb, centers["A"] + np.r_[0, 0, 6.0, np.zeros(7)] + rng.normal(0, 1, (150, 10))]
+    )
     truth = np.r_[truth, ["A"] * 150]
     labels = np.r_[labels, [-1] * 150]
     head = np.r_[head, [0] * 150]
@@ -264,9 +267,7 @@ def test_hidden_novel_clusters_leaves_randomly_labelled_substructure_alone():
     rng = np.random.default_rng(1)
     h = np.flatnonzero(truth == "H")
     labels[h] = np.where(rng.random(h.size) < 0.5, 0, -1)
-    groups = hidden_novel_clusters(
-        head, labels, same_batch, 2, lambda idx: emb[idx], min_size=5
-    )
+    groups = hidden_novel_clusters(head, labels, same_batch, 2, lambda idx: emb[idx], min_size=5)
     assert groups == []
 
 
