@@ -309,6 +309,7 @@ def _init_novel_heads(
     seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
     sims = emb @ seen_w.T  # (n_rows, n_seen) cosine to each seen head
     maxcos = sims.max(axis=1)
+    best_seen = sims.argmax(axis=1)
     lab_r = labels[rows]
     assign, sizes, tau = ood_clusters(
         maxcos,
@@ -323,7 +324,7 @@ def _init_novel_heads(
         # share of labelled cells, in batches where cells were labelled
         dom_r = domain[rows]
         same_batch = np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
-        head_r = np.where(assign >= 0, -1, sims.argmax(axis=1))
+        head_r = np.where(assign >= 0, -1, best_seen)
         groups = hidden_novel_clusters(
             head_r,
             lab_r,
@@ -353,7 +354,7 @@ def _init_novel_heads(
     # head after the warm-up (so a known type that is rare in the reference but common in the
     # query keeps its share)
     n_seen = seen_w.shape[0]
-    head = np.where(lab_r >= 0, lab_r, sims.argmax(axis=1))
+    head = np.where(lab_r >= 0, lab_r, best_seen)
     in_cand = (assign >= 0) & (assign < k)
     head = np.where(in_cand, n_seen + assign, head)
     counts = np.bincount(head, minlength=n_seen + k).astype(np.float64)
