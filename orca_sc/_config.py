@@ -59,6 +59,12 @@ class OrcaConfig:
         Also look for novel types inside seen classes: in batches holding labelled cells, a
         sub-cluster of a seen class that lacks its share of labelled cells is a candidate novel
         cluster (see :func:`orca_sc._estimate.hidden_novel_clusters`).
+    merge_threshold
+        A novel cluster found in a batch without labelled cells of a known type is reported as
+        that type when their within-batch marker signatures (mean expression minus the batch's
+        mean) correlate at least this much: a known type that is rare in the reference or shifted
+        by technology is not a new type (see :func:`orca_sc._align.match_known_types`). ``None``
+        keeps every novel cluster.
 
     Training (paper Eq. 1–6)
     ------------------------
@@ -116,6 +122,7 @@ class OrcaConfig:
     n_novel: int | str = "auto"
     resolution: float = 0.5
     hidden_novel: bool = True
+    merge_threshold: float | None = 0.7
     # training
     epochs: int = 20
     batch_size: int = 512
@@ -195,6 +202,12 @@ class OrcaConfig:
             bad("pair_pcs", self.pair_pcs, "an integer >= 2")
         if not isinstance(self.hidden_novel, bool):
             bad("hidden_novel", self.hidden_novel, "True or False")
+        if self.merge_threshold is not None and not (
+            isinstance(self.merge_threshold, int | float)
+            and not isinstance(self.merge_threshold, bool)
+            and 0 < self.merge_threshold <= 1
+        ):
+            bad("merge_threshold", self.merge_threshold, "a number in (0, 1] or None")
         if not _is_int(self.seed):
             bad("seed", self.seed, "an integer")
 

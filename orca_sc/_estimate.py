@@ -107,6 +107,59 @@ def min_cluster_size(n_unlabeled: int) -> int:
     return max(5, int(np.ceil(0.005 * n_unlabeled)))
 
 
+def ood_threshold(maxcos: np.ndarray, labeled: np.ndarray, quantile: float = 0.01) -> float:
+    """The ``quantile`` of the labelled cells' best cosine similarity to a seen head."""
+    return float(np.quantile(maxcos[labeled], quantile))
+
+
+def labelled_neighbours(
+    labeled: np.ndarray,
+    domain: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    n_neighbors: int = 15,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Labelled fraction of every cell's ``n_neighbors`` nearest neighbours (itself excluded),
+    found within each batch that has labelled cells, in the PCA of that batch's cells
+    (``pca_of(idx)``). Returns ``(fraction, tested)``; cells of batches without labels are not
+    tested (fraction 0).
+    """
+    from sklearn.neighbors import NearestNeighbors
+
+    frac = np.zeros(labeled.shape[0])
+    tested = np.zeros(labeled.shape[0], dtype=bool)
+    for d in np.unique(domain[labeled]):  # loop over batches, not cells
+        idx = np.flatnonzero(domain == d)
+        if idx.size <= n_neighbors:
+            continue
+        nn = NearestNeighbors(n_neighbors=n_neighbors).fit(pca_of(idx))
+        frac[idx] = labeled[idx][nn.kneighbors(return_distance=False)].mean(axis=1)
+        tested[idx] = True
+    return frac, tested
+
+
+def labelled_support(
+    labeled: np.ndarray, domain: np.ndarray, frac: np.ndarray, tested: np.ndarray
+) -> np.ndarray:
+    """Unlabelled cells that sit among labelled cells, so are not of a novel type.
+
+    In a batch where cells were labelled at random, a cell of a known type has about a fraction
+    ``f`` of labelled cells among its nearest neighbours (``frac``, from
+    :func:`labelled_neighbours`), while a cell of a type nobody labelled has few or none. ``f`` is
+    measured around the batch's labelled cells (their neighbours are cells of their own type). An
+    unlabelled cell with at least half that fraction (and at least 2 labelled neighbours of 15) is
+    supported by labels: the seen heads may score it poorly (a small class fitted to its few
+    labelled cells) or a wrong seen head may have absorbed it, but it is no novel type. Untested
+    cells (batches without labels) are never supported. Returns a boolean mask.
+    """
+    supported = np.zeros(labeled.shape[0], dtype=bool)
+    for d in np.unique(domain[tested]):
+        idx = np.flatnonzero((domain == d) & tested)
+        expected = frac[idx][labeled[idx]].mean()
+        supported[idx] = ~labeled[idx] & (frac[idx] >= max(2 / 15, 0.5 * expected))
+    return supported
+
+
 def ood_clusters(
     maxcos: np.ndarray,
     labeled: np.ndarray,
@@ -115,17 +168,22 @@ def ood_clusters(
     quantile: float = 0.01,
     resolution: float = 1.0,
     seed: int = 0,
+    exclude: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[int], float]:
     """Candidate novel clusters from the cells the seen heads do not explain.
 
     An unlabelled cell is out-of-distribution when its highest cosine similarity to a seen-class
     head is below the ``quantile`` of that similarity over labelled cells. The OOD cells are
     clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``); clusters of at least
-    :func:`min_cluster_size` cells are the candidates. Returns ``(assign, sizes, threshold)`` with
+    :func:`min_cluster_size` cells are the candidates; cells in ``exclude`` (e.g.
+    :func:`labelled_support`) never are. Returns ``(assign, sizes, threshold)`` with
     ``assign[i]`` the candidate index of cell ``i`` (``-1`` outside candidates), largest first.
     """
-    tau = float(np.quantile(maxcos[labeled], quantile))
-    ood = np.flatnonzero(~labeled & (maxcos < tau))
+    tau = ood_threshold(maxcos, labeled, quantile)
+    ood = ~labeled & (maxcos < tau)
+    if exclude is not None:
+        ood &= ~exclude
+    ood = np.flatnonzero(ood)
     min_size = min_cluster_size(int((~labeled).sum()))
     assign = np.full(maxcos.shape[0], -1, dtype=np.int64)
     if ood.size < min_size:
@@ -150,6 +208,8 @@ def hidden_novel_clusters(
     alpha: float = 1e-3,
     max_rel_fraction: float = 0.25,
     seed: int = 0,
+    class_fraction: np.ndarray | None = None,
+    exclude: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """Novel types hiding inside seen heads, found from where labelled cells are missing.
 
@@ -162,6 +222,11 @@ def hidden_novel_clusters(
     class's fraction (one-sided p < ``alpha``) is a novel type the seen head absorbed (e.g. two
     related epithelial types of which only one is labelled). Cells of batches without labelled
     cells (a separate query) are not tested: there a missing label says nothing.
+
+    The class's labelled fraction is measured over its members, or given as ``class_fraction``
+    (better: the members include cells the head absorbed, which dilute it; see
+    :func:`labelled_neighbours`). Cells in ``exclude`` (e.g. cells of another known type that
+    the head absorbed, which lack its labels too: :func:`labelled_support`) are left out.
 
     ``head``: the seen head of each unlabelled cell (ignored for labelled cells). Returns the
     index arrays (into the given cells) of the unlabelled members of each such sub-cluster.
@@ -176,7 +241,7 @@ def hidden_novel_clusters(
         n_unl = members.size - n_lab
         if n_lab < 2 or n_unl < min_size:
             continue
-        frac = n_lab / members.size
+        frac = n_lab / members.size if class_fraction is None else class_fraction[k]
         codes = leiden(pca_of(members), resolution, seed)
         for c in np.unique(codes):
             in_c = members[codes == c]
@@ -185,7 +250,11 @@ def hidden_novel_clusters(
             if c_unl < min_size or c_lab / in_c.size >= max_rel_fraction * frac:
                 continue
             if binom.cdf(c_lab, in_c.size, frac) < alpha:
-                found.append(in_c[~lab[in_c]])
+                cells = in_c[~lab[in_c]]
+                if exclude is not None:
+                    cells = cells[~exclude[cells]]
+                if cells.size >= min_size:
+                    found.append(cells)
     return found
 
 

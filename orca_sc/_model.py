@@ -50,7 +50,8 @@ class OrcaModel:
     """A trained ORCA network with its genes, classes, configuration and preprocessing.
 
     ``head_names`` maps every head to its output label: a seen class name, a novel cluster name
-    (``novel_1`` = largest) or ``None`` for heads that received no cells during training.
+    (``novel_1`` = largest) or ``None`` for heads that received no cells during training. A novel
+    head whose cluster matched a known type of another batch carries that type's name.
     """
 
     def __init__(
@@ -100,7 +101,10 @@ class OrcaModel:
     @property
     def novel_names(self) -> list[str]:
         """Names of the novel clusters (kept novel heads): ``novel_1`` (largest), ``novel_2``, ..."""
-        names = [n for n in self.head_names[len(self.classes) :] if n is not None]
+        known = set(self.classes)  # a novel head merged into a known type carries its name
+        names = [
+            n for n in self.head_names[len(self.classes) :] if n is not None and n not in known
+        ]
         return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]))
 
     def novel_similarity(self) -> dict[str, Any]:

@@ -24,3 +24,21 @@ def small_sim():
 
 
 FAST = {"n_genes": None, "epochs": 5, "min_steps": 150, "warmup_epochs": 1, "progress": False}
+
+
+def rare_in_reference(n_rare=15, seed=0):
+    """Log-normalised simulated counts: reference = batch 0 without type_5 and with only
+    ``n_rare`` type_3 cells; query = batch 1 (all types, type_3 common).
+    """
+    import scanpy as sc
+
+    from orca_sc.datasets import simulate
+
+    a = simulate(3000, 1000, 6, n_batches=2, batch_strength=0.5, seed=seed)
+    sc.pp.normalize_total(a, target_sum=1e4)
+    sc.pp.log1p(a)
+    t = a.obs["cell_type"].astype(str).to_numpy()
+    b = a.obs["batch"].astype(str).to_numpy()
+    ref = (b == "batch_0") & (t != "type_5")
+    ref[np.flatnonzero(ref & (t == "type_3"))[n_rare:]] = False
+    return a[ref].copy(), a[b == "batch_1"].copy()

@@ -3,6 +3,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.sparse as sp
+from conftest import rare_in_reference
 
 import orca_sc
 from orca_sc import OrcaConfig, OrcaInputError
@@ -271,9 +272,52 @@ def test_hidden_novel_clusters_leaves_randomly_labelled_substructure_alone():
     assert groups == []
 
 
+def test_labelled_support_keeps_poorly_scored_known_cells_out_of_novel_candidates():
+    from orca_sc._estimate import labelled_neighbours, labelled_support
+
+    emb, truth, labels, _, same_batch = _hidden_fixture()
+    domain = np.where(same_batch, 0, 1)
+    frac, tested = labelled_neighbours(labels >= 0, domain, lambda idx: emb[idx])
+    assert tested.tolist() == same_batch.tolist()
+    # around labelled cells about half the neighbours are labelled (A, B labelled at random)
+    assert 0.4 < frac[labels >= 0].mean() < 0.6
+    sup = labelled_support(labels >= 0, domain, frac, tested)
+    unl = labels < 0
+    known = unl & np.isin(truth, ["A", "B"]) & same_batch
+    assert sup[known].mean() > 0.9  # unlabelled A/B cells sit among labelled ones
+    assert sup[truth == "H"].mean() < 0.05  # nobody labelled H: no support
+    assert not sup[~same_batch].any()  # a batch without labels is never tested
+    assert not sup[labels >= 0].any()
+
+
+def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():
+    from orca_sc._align import match_known_types
+
+    ref, query = rare_in_reference()
+    X = sp.vstack([ref.X, query.X]).tocsr()
+    classes = sorted(ref.obs["cell_type"].unique())
+    labels = np.r_[[classes.index(c) for c in ref.obs["cell_type"]], [-1] * query.n_obs]
+    domain = np.r_[np.zeros(ref.n_obs), np.ones(query.n_obs)].astype(np.int64)
+    tq = query.obs["cell_type"].to_numpy()
+    clusters = np.r_[
+        [-1] * ref.n_obs,
+        np.select([tq == "type_3", tq == "type_5", tq == "type_0"], [0, 1, 2], -1),
+    ]
+    merged = match_known_types(X, labels, domain, clusters, 3, len(classes), 0.7)
+    got = {j: classes[k] for j, k, _ in merged}
+    assert got == {0: "type_3", 2: "type_0"}  # the novel type_5 stays novel
+    assert all(r >= 0.7 for *_, r in merged)
+    # one batch: labels there already say which cells are type_3, so nothing is merged
+    one = match_known_types(X, labels, np.zeros_like(domain), clusters, 3, len(classes), 0.7)
+    assert one == []
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
+        ("merge_threshold", 0.0),
+        ("merge_threshold", 1.5),
+        ("merge_threshold", True),
         ("n_genes", 1),
         ("hidden_dims", (64,)),
         ("dropout", 1.0),

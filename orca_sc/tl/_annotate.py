@@ -15,6 +15,7 @@ from .._align import (
     aligned_group_means,
     class_centroids,
     compute_transform,
+    match_known_types,
     profile_similarity,
 )
 from .._config import OrcaConfig
@@ -22,6 +23,8 @@ from .._data import prepare
 from .._estimate import (
     estimate_n_novel,
     hidden_novel_clusters,
+    labelled_neighbours,
+    labelled_support,
     min_cluster_size,
     ood_clusters,
     pca_embedding,
@@ -189,11 +192,24 @@ def annotate(
         result.history,
     )
     pred = model.predict_arrays(data.X, data.domain, scale, offset)
-    # name novel heads by size among unlabelled cells; heads with no cells are pruned
     unl = ~data.labeled
     counts = np.bincount(pred.head[unl], minlength=n_seen + n_novel_heads)[n_seen:]
-    order = [h for h in np.argsort(-counts, kind="stable") if counts[h] > 0]
     head_names: list[str | None] = list(data.classes) + [None] * n_novel_heads
+    # novel clusters that are a known type of another batch are reported as that type
+    merged = []
+    if cfg.merge_threshold is not None and n_novel_heads > 0:
+        clusters = np.where(unl & (pred.head >= n_seen), pred.head - n_seen, -1)
+        for h, k, r in match_known_types(
+            data.X, data.labels, data.domain, clusters, n_novel_heads, n_seen, cfg.merge_threshold
+        ):
+            head_names[n_seen + h] = data.classes[k]
+            merged.append({"type": data.classes[k], "n_cells": int(counts[h]), "correlation": r})
+    # name the other novel heads by size among unlabelled cells; heads with no cells are pruned
+    order = [
+        h
+        for h in np.argsort(-counts, kind="stable")
+        if counts[h] > 0 and head_names[n_seen + h] is None
+    ]
     for rank, h in enumerate(order):
         head_names[n_seen + h] = f"novel_{rank + 1}"
     model.head_names = head_names
@@ -225,6 +241,7 @@ def annotate(
             "seen_classes": list(data.classes),
             "novel_cluster_sizes": novel_sizes,
             "novel_similarity": model.novel_similarity(),
+            "merged_into_known": merged,
             "n_novel": {
                 "requested": str(cfg.n_novel),
                 "estimated": estimate.get("n_novel", -1),
@@ -264,8 +281,12 @@ def _novel_similarity(data, scale, offset, head, head_names) -> dict[str, Any]:
     means = aligned_group_means(data.X, groups, n_heads, data.domain, scale, offset)
     known = means[:n_seen]
     sims = profile_similarity(means[n_seen:], known, known.mean(axis=0))
-    kept = [j for j, name in enumerate(head_names[n_seen:]) if name is not None]
-    order = sorted(kept, key=lambda j: int(str(head_names[n_seen + j]).split("_")[1]))
+    kept = [
+        j
+        for j, name in enumerate(head_names[n_seen:])
+        if name is not None and name not in data.classes
+    ]
+    order = sorted(kept, key=lambda j: int(str(head_names[n_seen + j]).rsplit("_", 1)[1]))
     return {
         "clusters": [head_names[n_seen + j] for j in order],
         "types": list(data.classes),
@@ -311,29 +332,37 @@ def _init_novel_heads(
     maxcos = sims.max(axis=1)
     best_seen = sims.argmax(axis=1)
     lab_r = labels[rows]
+    dom_r = domain[rows]
+    # unlabelled cells among labelled ones (same batch) are of known types, however poorly the
+    # seen heads score them
+    nb_frac, tested = labelled_neighbours(lab_r >= 0, dom_r, lambda idx: pca_of(rows=rows[idx]))
+    supported = labelled_support(lab_r >= 0, dom_r, nb_frac, tested)
     assign, sizes, tau = ood_clusters(
         maxcos,
         lab_r >= 0,
         lambda idx: pca_of(rows=rows[idx]),
         resolution=resolution,
         seed=seed,
+        exclude=supported,
     )
     n_ood = len(sizes)
     if hidden:
         # novel types that the seen heads absorbed: sub-clusters of a seen class without their
         # share of labelled cells, in batches where cells were labelled
-        dom_r = domain[rows]
         same_batch = np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
         head_r = np.where(assign >= 0, -1, best_seen)
+        min_size = min_cluster_size(int((lab_r < 0).sum()))
         groups = hidden_novel_clusters(
             head_r,
             lab_r,
             same_batch,
             sims.shape[1],
             lambda idx: pca_of(rows=rows[idx]),
-            min_size=min_cluster_size(int((lab_r < 0).sum())),
+            min_size=min_size,
             resolution=resolution,
             seed=seed,
+            class_fraction=_class_fraction(nb_frac, tested, lab_r, sims.shape[1]),
+            exclude=supported,
         )
         for g in groups:
             assign[g] = len(sizes)
@@ -370,12 +399,26 @@ def _init_novel_heads(
         "cluster_sizes": sizes,
         "n_out_of_distribution": n_ood,
         "n_hidden_in_seen": len(sizes) - n_ood,
+        "n_supported_by_labels": int(supported.sum()),
         "method": "Leiden clusters of cells below the 1% quantile of labelled max cosine"
         + (", and sub-clusters of seen classes without labelled cells" if hidden else ""),
         "threshold": tau,
         "prior": prior.tolist(),
     }
     return torch.as_tensor(protos, dtype=torch.float32), info
+
+
+def _class_fraction(nb_frac, tested, labels, n_seen) -> np.ndarray | None:
+    """Each seen class's labelled fraction: the mean labelled fraction of the neighbourhoods of
+    its labelled cells (``None`` when no cell was tested).
+    """
+    lab = tested & (labels >= 0)
+    if not lab.any():
+        return None
+    sums = np.bincount(labels[lab], weights=nb_frac[lab], minlength=n_seen)
+    counts = np.bincount(labels[lab], minlength=n_seen)
+    overall = nb_frac[lab].mean()
+    return np.where(counts > 0, sums / np.maximum(counts, 1), overall)
 
 
 def _jsonable(obj: Any) -> Any:
