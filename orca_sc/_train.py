@@ -105,12 +105,15 @@ class TrainResult:
     novel_info: dict
 
 
-def _schedule(n_cells: int, config: OrcaConfig) -> tuple[int, int, int]:
-    """(batches per epoch, epochs, warm-up epochs): at least ``min_steps`` optimiser steps."""
+def _schedule(n_cells: int, config: OrcaConfig) -> tuple[int, int, int, int]:
+    """(batches per epoch, epochs, warm-up epochs, anchor epochs): at least ``min_steps``
+    optimiser steps; warm-up and anchor phases scale with the number of epochs.
+    """
     steps_per_epoch = max(1, math.ceil(n_cells / config.batch_size))
     n_epochs = max(config.epochs, math.ceil(config.min_steps / steps_per_epoch))
     warmup = round(config.warmup_epochs * n_epochs / config.epochs)
-    return steps_per_epoch, n_epochs, warmup
+    anchor = round(config.anchor_epochs * n_epochs / config.epochs)
+    return steps_per_epoch, n_epochs, warmup, anchor
 
 
 @torch.no_grad()
@@ -170,7 +173,7 @@ def _train(
 
     net = OrcaNet(X.shape[1], n_heads, config.hidden_dims, config.dropout).to(device)
     opt = torch.optim.Adam(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    steps_per_epoch, n_epochs, warmup = _schedule(X.shape[0], config)
+    steps_per_epoch, n_epochs, warmup, anchor = _schedule(X.shape[0], config)
     history: list[dict] = []
     # in a log file (stderr not a terminal) refresh every 10 s instead of many times a second
     tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
@@ -188,6 +191,7 @@ def _train(
         pair_feats = torch.as_tensor(pair_features, dtype=torch.float32, device=device)
     novel_info: dict = {}
     prior = None  # uniform
+    y_anchor = None  # candidate novel cells' cluster heads (-1 elsewhere), for the anchor epochs
     for epoch in bar:
         t_epoch = time.perf_counter()
         if novel_init is not None and warmup > 0 and epoch == warmup:
@@ -195,6 +199,12 @@ def _train(
             net.head.add_heads(protos.to(device))
             if config.prior == "data" and "prior" in novel_info:
                 prior = torch.as_tensor(novel_info["prior"], dtype=torch.float32, device=device)
+            if "anchor" in novel_info:  # (rows, heads) of the candidate novel cells
+                rows_a, heads_a = novel_info.pop("anchor")
+                y_anchor = torch.full_like(y_all, -1)
+                y_anchor[torch.as_tensor(rows_a, device=device)] = torch.as_tensor(
+                    heads_a, dtype=y_all.dtype, device=device
+                )
             opt = torch.optim.Adam(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         u = mean_uncertainty(net, data, unl_t)
         if config.margin == "adaptive":
@@ -204,12 +214,13 @@ def _train(
         else:
             margin = 0.0
         full = epoch >= warmup
+        anchored = y_anchor is not None and epoch < warmup + anchor
         net.train()
         # mini-batches mix labelled and unlabelled cells in proportion; balanced sizes, so the
         # last batch is never tiny
         lab_chunks = np.array_split(rng.permutation(lab_idx), steps_per_epoch)
         unl_chunks = np.array_split(rng.permutation(unl_idx), steps_per_epoch)
-        sums = np.zeros(4)
+        sums = np.zeros(5)
         n_done = 0
         for lc, uc in zip(lab_chunks, unl_chunks, strict=True):
             idx_np = np.concatenate([lc, uc]) if full else lc
@@ -218,8 +229,9 @@ def _train(
             idx = torch.as_tensor(idx_np, device=device)
             x = data.rows(idx)  # (B, G)
             y = y_all[idx]  # (B,)
+            ya = y_anchor[idx] if anchored else None
             pf = pair_feats[idx] if pair_feats is not None else None
-            parts = _losses(net, x, y, margin, full, config, pair_gen, prior, pf)
+            parts = _losses(net, x, y, margin, full, config, pair_gen, prior, pf, ya)
             loss = parts[0]
             if not torch.isfinite(loss):
                 msg = (
@@ -240,9 +252,11 @@ def _train(
             "supervised": sums[1] / nb,
             "pairwise": sums[2] / nb,
             "regularizer": sums[3] / nb,
+            "anchor": sums[4] / nb,
             "uncertainty": u,
             "margin": margin,
             "warmup": not full,
+            "anchored": anchored,
             "seconds": time.perf_counter() - t_epoch,
         }
         history.append(rec)
@@ -252,8 +266,12 @@ def _train(
     return TrainResult(net, history, n_epochs, n_steps, 0.0, str(device), novel_info)
 
 
-def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None):
-    """Eq. 1: L = L_S + eta1 L_P + eta2 R, each term switchable."""
+def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anchor=None):
+    """Eq. 1: L = L_S + eta1 L_P + eta2 R, each term switchable. During the anchor epochs
+    (``y_anchor`` given) ``anchor_weight`` times the plain cross-entropy of the anchored candidate
+    novel cells towards their clusters' heads is added (no margin: the margin eases seen classes,
+    not candidates). Returns ``(loss, supervised, pairwise, regulariser, anchor)``.
+    """
     logits, feat = net(x)  # (B, K), (B, D)
     lab = y >= 0
     zero = logits.sum() * 0.0
@@ -261,15 +279,20 @@ def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None):
         margin_cross_entropy(logits[lab], y[lab], margin, HEAD_SCALE) if config.supervised else zero
     )
     if not full:
-        return sup, sup, zero, zero
+        return sup, sup, zero, zero, zero
+    if y_anchor is not None and bool((y_anchor >= 0).any()):
+        anchored = y_anchor >= 0
+        anchor = F.cross_entropy(logits[anchored], y_anchor[anchored])
+    else:
+        anchor = zero
     prob = F.softmax(logits, dim=1)
     logits2, _ = net(x)  # second view: another dropout mask
     prob2 = F.softmax(logits2, dim=1)
     pair_idx = select_pairs(feat if pair_feats is None else pair_feats, y, gen)
     pair = pairwise_loss(prob, prob2[pair_idx])
     reg = entropy_regularizer(prob, prior) if config.regularizer else zero
-    loss = sup + config.eta1 * pair + config.eta2 * reg
-    return loss, sup, pair, reg
+    loss = sup + config.eta1 * pair + config.eta2 * reg + config.anchor_weight * anchor
+    return loss, sup, pair, reg, anchor
 
 
 @torch.no_grad()

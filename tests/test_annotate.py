@@ -313,6 +313,33 @@ def test_novel_cells_are_not_absorbed_by_seen_heads_on_simulated_counts():
     assert seen_ok > 0.95
 
 
+def test_anchoring_separates_novel_types_the_warm_up_embedding_merges():
+    """4,000 simulated cells x 2,000 genes, 10 types, 5 novel: the candidate clusters are the
+    novel types, but the warmed-up embedding maps them together; without anchoring the candidate
+    cells to their heads, seen heads and one novel head absorb them (novel accuracy 0.29
+    measured), with it 0.97.
+    """
+    from orca_sc.benchmark import simulated_open_world
+
+    acc = {}
+    for epochs in (0, 1):
+        a, lab = simulated_open_world(4000, 2000, seed=0)
+        orca_sc.tl.annotate(a, labels_key="lab", progress=False, anchor_epochs=epochs)
+        r = orca_sc.metrics.report(a[~lab], "cell_type")
+        acc[epochs] = r["novel_accuracy"]
+        assert r["seen_accuracy"] > 0.95
+        h = a.uns["orca"]["history"]
+        anchored, warmup = np.asarray(h["anchored"]), np.asarray(h["warmup"])
+        # anchored epochs (scaled like the warm-up on small data) follow the warm-up at once
+        assert (anchored.sum() > 0) == (epochs > 0)
+        if epochs:
+            assert np.flatnonzero(anchored).tolist() == list(
+                range(warmup.sum(), warmup.sum() + anchored.sum())
+            )
+    assert acc[1] > 0.9 and r["n_novel_found"] == 5
+    assert acc[0] < 0.6
+
+
 def test_known_type_rare_in_reference_is_not_reported_as_novel():
     """Reference with 15 type_3 cells, query with 200: without the cross-batch marker match,
     199 of them form a novel cluster (measured); with it they are type_3, and the truly novel

@@ -290,6 +290,31 @@ def test_labelled_support_keeps_poorly_scored_known_cells_out_of_novel_candidate
     assert not sup[labels >= 0].any()
 
 
+def test_cluster_cores_keeps_coherent_clusters_and_drops_mixed_ones():
+    from orca_sc._estimate import cluster_cores
+
+    rng = np.random.default_rng(0)
+    # four well-separated groups of 100 cells in 5-d space
+    centers = 10.0 * np.eye(5)[:4]
+    feats = np.vstack([c + rng.normal(0, 1, (100, 5)) for c in centers])
+    group = np.repeat(np.arange(4), 100)
+    assign = np.full(400, -1)
+    assign[group == 0] = 0  # a whole group: coherent
+    assign[group == 1] = 1  # another whole group, minus a few stragglers
+    assign[np.flatnonzero(group == 1)[:5]] = -1
+    # a "cluster" of scattered cells: 20 from each of groups 2 and 3, among non-candidates
+    mixed = np.r_[np.flatnonzero(group == 2)[:20], np.flatnonzero(group == 3)[:20]]
+    assign[mixed] = 2
+    core = cluster_cores(assign, feats)
+    assert core[assign == 0].all() and core[assign == 1].mean() > 0.95
+    assert not core[assign == 2].any()  # its cells' neighbours are mostly not in it
+    assert not core[assign == -1].any()
+    # with a lax coherence bar the mixed cluster's few agreeing cells would come back
+    lax = cluster_cores(assign, feats, min_core=0.0)
+    assert core.sum() < lax.sum() or not lax[assign == 2].any()
+    assert cluster_cores(np.full(400, -1), feats).sum() == 0
+
+
 def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():
     from orca_sc._align import match_known_types
 
@@ -316,6 +341,8 @@ def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():
     ("field", "value"),
     [
         ("merge_threshold", 0.0),
+        ("anchor_epochs", -1),
+        ("anchor_weight", -0.5),
         ("merge_threshold", 1.5),
         ("merge_threshold", True),
         ("n_genes", 1),

@@ -21,6 +21,7 @@ from .._align import (
 from .._config import OrcaConfig
 from .._data import prepare
 from .._estimate import (
+    cluster_cores,
     estimate_n_novel,
     hidden_novel_clusters,
     labelled_neighbours,
@@ -109,8 +110,8 @@ def annotate(
     ``uns['{key_added}']``
         ``params`` (the configuration), ``seen_classes``, ``novel_cluster_sizes``, ``n_novel``
         (requested / estimated / heads used / found), ``input_scale`` (detected per input),
-        ``alignment``, ``history`` (per-epoch losses, uncertainty, margin), ``training``
-        (epochs, steps, seconds, device), ``seed`` and ``version``.
+        ``alignment``, ``history`` (per-epoch losses, uncertainty, margin, warm-up and anchor
+        flags), ``training`` (epochs, steps, seconds, device), ``seed`` and ``version``.
 
     """
     fields = {
@@ -387,6 +388,7 @@ def _init_novel_heads(
     in_cand = (assign >= 0) & (assign < k)
     head = np.where(in_cand, n_seen + assign, head)
     counts = np.bincount(head, minlength=n_seen + k).astype(np.float64)
+    core = cluster_cores(np.where(in_cand, assign, -1), pca_of(rows=rows))
     # novel heads without a candidate cluster (n_novel given above the estimate): no evidence of
     # any mass, so their prior is the detection limit (smallest candidate size), not an average
     # cluster; otherwise the regulariser fills them with cells of known types
@@ -400,10 +402,13 @@ def _init_novel_heads(
         "n_out_of_distribution": n_ood,
         "n_hidden_in_seen": len(sizes) - n_ood,
         "n_supported_by_labels": int(supported.sum()),
+        "n_anchored": int(core.sum()),
         "method": "Leiden clusters of cells below the 1% quantile of labelled max cosine"
         + (", and sub-clusters of seen classes without labelled cells" if hidden else ""),
         "threshold": tau,
         "prior": prior.tolist(),
+        # the core cells of each candidate cluster are labelled with its head while anchored
+        "anchor": (rows[core], n_seen + assign[core]),
     }
     return torch.as_tensor(protos, dtype=torch.float32), info
 
