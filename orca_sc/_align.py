@@ -39,15 +39,29 @@ def standardize(X: sp.csr_matrix, domain: np.ndarray, n_domains: int):
     return scale, offset
 
 
-def class_centroids(X: sp.csr_matrix, labels: np.ndarray, n_classes: int) -> np.ndarray:
-    """Mean expression of each labelled class, ``(n_classes, n_genes)``; sparse products only."""
-    rows = np.flatnonzero(labels >= 0)
+def _group_domain_means(
+    X: sp.csr_matrix, groups: np.ndarray, n_groups: int, domain: np.ndarray, n_domains: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mean expression of every (group, batch) pair and its cell count (sparse products only).
+
+    Returns ``(means (n_groups, n_domains, n_genes), counts (n_groups, n_domains))``.
+    """
+    rows = np.flatnonzero(groups >= 0)
+    pair = groups[rows] * n_domains + domain[rows]
     ind = sp.csr_matrix(
-        (np.ones(rows.size, dtype=np.float64), (labels[rows], rows)), shape=(n_classes, X.shape[0])
+        (np.ones(rows.size), (pair, rows)), shape=(n_groups * n_domains, X.shape[0])
     )
     counts = np.asarray(ind.sum(axis=1)).ravel()
     sums = np.asarray((ind @ X).todense())
-    return (sums / np.maximum(counts, 1)[:, None]).astype(np.float32)
+    means = sums / np.maximum(counts, 1)[:, None]
+    return means.reshape(n_groups, n_domains, -1), counts.reshape(n_groups, n_domains)
+
+
+def class_centroids(X: sp.csr_matrix, labels: np.ndarray, n_classes: int) -> np.ndarray:
+    """Mean expression of each labelled class, ``(n_classes, n_genes)``; sparse products only."""
+    one_batch = np.zeros(X.shape[0], dtype=np.int64)
+    means, _ = _group_domain_means(X, labels, n_classes, one_batch, 1)
+    return means[:, 0].astype(np.float32)
 
 
 def aligned_group_means(
@@ -62,17 +76,11 @@ def aligned_group_means(
 
     Computed from per-(group, batch) means of the sparse matrix, so nothing is densified.
     """
-    n_dom = scale.shape[0]
-    rows = np.flatnonzero(groups >= 0)
-    pair = groups[rows] * n_dom + domain[rows]
-    ind = sp.csr_matrix((np.ones(rows.size), (pair, rows)), shape=(n_groups * n_dom, X.shape[0]))
-    counts = np.asarray(ind.sum(axis=1)).ravel()  # (n_groups * n_dom,)
-    sums = np.asarray((ind @ X).todense())
-    d_of = np.tile(np.arange(n_dom), n_groups)
-    pair_mean = sums / np.maximum(counts, 1)[:, None] * scale[d_of] + offset[d_of]
-    w = (counts * 1.0).reshape(n_groups, n_dom)
+    means, counts = _group_domain_means(X, groups, n_groups, domain, scale.shape[0])
+    pair_mean = means * scale[None] + offset[None]  # (n_groups, n_dom, G), aligned
+    w = counts * 1.0
     tot = np.maximum(w.sum(axis=1, keepdims=True), 1)
-    return np.einsum("gd,gdj->gj", w / tot, pair_mean.reshape(n_groups, n_dom, -1))
+    return np.einsum("gd,gdj->gj", w / tot, pair_mean)
 
 
 def profile_similarity(a: np.ndarray, b: np.ndarray, center: np.ndarray) -> np.ndarray:
@@ -166,24 +174,6 @@ def compute_transform(
     return scale, offset, {"method": method, "anchor": anchor, "shift_norm": norms}
 
 
-def _group_domain_means(
-    X: sp.csr_matrix, groups: np.ndarray, n_groups: int, domain: np.ndarray, n_domains: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Mean expression of every (group, batch) pair and its cell count (sparse products only).
-
-    Returns ``(means (n_groups, n_domains, n_genes), counts (n_groups, n_domains))``.
-    """
-    rows = np.flatnonzero(groups >= 0)
-    pair = groups[rows] * n_domains + domain[rows]
-    ind = sp.csr_matrix(
-        (np.ones(rows.size), (pair, rows)), shape=(n_groups * n_domains, X.shape[0])
-    )
-    counts = np.asarray(ind.sum(axis=1)).ravel()
-    sums = np.asarray((ind @ X).todense())
-    means = sums / np.maximum(counts, 1)[:, None]
-    return means.reshape(n_groups, n_domains, -1), counts.reshape(n_groups, n_domains)
-
-
 def match_known_types(
     X: sp.csr_matrix,
     labels: np.ndarray,
@@ -207,7 +197,7 @@ def match_known_types(
     Returns ``[(cluster, type, correlation), ...]`` for the merged clusters.
     """
     n_domains = int(domain.max()) + 1
-    all_means, all_counts = _group_domain_means(
+    all_means, _ = _group_domain_means(
         X, np.zeros(X.shape[0], dtype=np.int64), 1, domain, n_domains
     )
     background = all_means[0]  # (n_domains, n_genes): mean over every cell of each batch

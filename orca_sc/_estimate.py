@@ -107,11 +107,6 @@ def min_cluster_size(n_unlabeled: int) -> int:
     return max(5, int(np.ceil(0.005 * n_unlabeled)))
 
 
-def ood_threshold(maxcos: np.ndarray, labeled: np.ndarray, quantile: float = 0.01) -> float:
-    """The ``quantile`` of the labelled cells' best cosine similarity to a seen head."""
-    return float(np.quantile(maxcos[labeled], quantile))
-
-
 def labelled_neighbours(
     labeled: np.ndarray,
     domain: np.ndarray,
@@ -211,7 +206,7 @@ def ood_clusters(
     :func:`labelled_support`) never are. Returns ``(assign, sizes, threshold)`` with
     ``assign[i]`` the candidate index of cell ``i`` (``-1`` outside candidates), largest first.
     """
-    tau = ood_threshold(maxcos, labeled, quantile)
+    tau = float(np.quantile(maxcos[labeled], quantile))
     ood = ~labeled & (maxcos < tau)
     if exclude is not None:
         ood &= ~exclude

@@ -280,8 +280,8 @@ def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anch
     )
     if not full:
         return sup, sup, zero, zero, zero
-    if y_anchor is not None and bool((y_anchor >= 0).any()):
-        anchored = y_anchor >= 0
+    anchored = y_anchor >= 0 if y_anchor is not None else None
+    if anchored is not None and bool(anchored.any()):
         anchor = F.cross_entropy(logits[anchored], y_anchor[anchored])
     else:
         anchor = zero

@@ -352,14 +352,13 @@ def _init_novel_heads(
         # share of labelled cells, in batches where cells were labelled
         same_batch = np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
         head_r = np.where(assign >= 0, -1, best_seen)
-        min_size = min_cluster_size(int((lab_r < 0).sum()))
         groups = hidden_novel_clusters(
             head_r,
             lab_r,
             same_batch,
             sims.shape[1],
             lambda idx: pca_of(rows=rows[idx]),
-            min_size=min_size,
+            min_size=min_cluster_size(int((lab_r < 0).sum())),
             resolution=resolution,
             seed=seed,
             class_fraction=_class_fraction(nb_frac, tested, lab_r, sims.shape[1]),
