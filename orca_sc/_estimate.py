@@ -3,7 +3,8 @@
 Default (after the supervised warm-up), :func:`ood_clusters`: unlabelled cells whose best cosine
 similarity to a seen head is below the 1% quantile of the labelled cells' are clustered with
 Leiden on the PCA of their own expression; clusters of at least :func:`min_cluster_size` cells are
-the candidates, and their number is the estimate.
+the candidates, and their number is the estimate. In a batch without labelled cells (a separate
+query) :func:`query_ood_clusters` decides per cluster of the batch instead, by majority vote.
 
 Without a warm-up (``warmup_epochs=0``), :func:`estimate_n_novel`: Leiden on the PCA of all cells;
 a cluster counts as novel when its fraction of labelled cells is below ``rel_threshold`` times the
@@ -328,3 +329,42 @@ def estimate_n_novel(
     emb = pca_embedding(X, domain, scale, offset, seed=seed, rows=rows)
     sizes = novel_clusters(emb, labels[rows] >= 0, seed=seed, **kwargs)
     return {"n_novel": len(sizes), "cluster_sizes": sizes, "space": "pca"}
+
+
+def query_ood_clusters(
+    ood: np.ndarray,
+    cells: np.ndarray,
+    domain: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    min_size: int,
+    min_fraction: float = 0.5,
+    min_enrichment: float = 2.5,
+    resolution: float = 1.0,
+    seed: int = 0,
+) -> list[np.ndarray]:
+    """Candidate novel clusters of batches without labelled cells, decided per cluster.
+
+    In a query batch, expression shifted by the batch makes some cells of known types score
+    poorly on the seen heads, while the seen heads absorb many cells of a novel type (a classifier
+    of two types scores a third confidently). Cell by cell, out-of-distribution calls (``ood``)
+    are noisy both ways; a cluster of the batch's cells takes a vote. All ``cells`` of each query
+    batch are clustered (Leiden on the PCA of that batch's cells, ``pca_of(idx)``), which keeps
+    types apart better than clustering only the out-of-distribution cells; a cluster of at least
+    ``min_size`` cells is a candidate when at least ``min_fraction`` of its cells are
+    out-of-distribution, or ``min_enrichment`` times the batch's overall fraction. Returns the
+    index arrays of the candidates' cells.
+    """
+    found: list[np.ndarray] = []
+    for d in np.unique(domain[cells]):  # loop over batches, not cells
+        idx = cells[domain[cells] == d]
+        if idx.size < min_size:
+            continue
+        codes = leiden(pca_of(idx), resolution, seed)
+        overall = ood[idx].mean()
+        for c in np.unique(codes):
+            m = idx[codes == c]
+            frac = ood[m].mean()
+            if m.size >= min_size and (frac >= min_fraction or frac >= min_enrichment * overall):
+                found.append(m)
+    return found

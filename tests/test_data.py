@@ -371,3 +371,35 @@ def test_every_config_field_is_validated(field, value):
 def test_loading_a_missing_model_file(tmp_path):
     with pytest.raises(OrcaInputError, match="does not exist"):
         orca_sc.OrcaModel.load(tmp_path / "nope.pt")
+
+
+def test_query_ood_clusters_votes_per_cluster():
+    from orca_sc._estimate import query_ood_clusters
+
+    rng = np.random.default_rng(0)
+    # one query batch of four well-separated groups; out-of-distribution calls are noisy:
+    # N (novel) 70% flagged, K1 and K2 (known, shifted) 5%, M (novel, weakly scored) 40% -
+    # below a majority, but about 3x the batch's overall rate (14%)
+    n = {"N": 60, "K1": 300, "K2": 300, "M": 80}
+    rate = {"N": 0.7, "K1": 0.05, "K2": 0.05, "M": 0.4}
+    centers = {t: 10.0 * np.eye(4)[i] for i, t in enumerate(n)}
+    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 4)) for t in n])
+    truth = np.repeat(list(n), list(n.values()))
+    ood = rng.random(truth.size) < np.array([rate[t] for t in truth])
+    cells = np.arange(truth.size)
+    domain = np.zeros(truth.size, dtype=np.int64)
+    groups = query_ood_clusters(
+        ood, cells, domain, lambda idx: emb[idx], min_size=5, resolution=0.2
+    )
+    found = sorted(pd.Series(truth[g]).mode()[0] for g in groups)
+    assert found == ["M", "N"]
+    for g in groups:
+        t = pd.Series(truth[g]).mode()[0]
+        assert (truth[g] == t).mean() > 0.95 and g.size >= 0.95 * n[t]
+    # the enrichment rule: with it off, M (40% flagged) is not a candidate
+    only_majority = query_ood_clusters(
+        ood, cells, domain, lambda idx: emb[idx], min_size=5, resolution=0.2, min_enrichment=np.inf
+    )
+    assert [pd.Series(truth[g]).mode()[0] for g in only_majority] == ["N"]
+    # clusters below min_size are never candidates
+    assert query_ood_clusters(ood, cells, domain, lambda idx: emb[idx], min_size=500) == []

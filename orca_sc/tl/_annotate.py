@@ -29,6 +29,7 @@ from .._estimate import (
     min_cluster_size,
     ood_clusters,
     pca_embedding,
+    query_ood_clusters,
     subsample_rows,
 )
 from .._model import OrcaModel
@@ -323,8 +324,11 @@ def _init_novel_heads(
 ):
     """Prototypes of candidate novel clusters (see :func:`orca_sc._train.train`).
 
-    Candidates (:func:`orca_sc._estimate.ood_clusters`) are clusters of the unlabelled cells that
-    the warmed-up seen heads do not explain; each novel head starts at the mean embedding of one.
+    Candidates are clusters of the unlabelled cells that the warmed-up seen heads do not explain
+    (:func:`orca_sc._estimate.ood_clusters`; in batches without labelled cells
+    :func:`orca_sc._estimate.query_ood_clusters`), and sub-clusters of seen classes that lack their
+    share of labels (:func:`orca_sc._estimate.hidden_novel_clusters`); each novel head starts at
+    the mean embedding of one.
     """
     rng = np.random.default_rng(seed)
     _, emb = infer(net, data, rows)  # (n_rows, D), L2-normalised
@@ -338,41 +342,53 @@ def _init_novel_heads(
     # seen heads score them
     nb_frac, tested = labelled_neighbours(lab_r >= 0, dom_r, lambda idx: pca_of(rows=rows[idx]))
     supported = labelled_support(lab_r >= 0, dom_r, nb_frac, tested)
+    # batches without any labelled cell (a separate query): candidates are voted per cluster
+    query = ~np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
+    min_size = min_cluster_size(int((lab_r < 0).sum()))
     assign, sizes, tau = ood_clusters(
         maxcos,
         lab_r >= 0,
         lambda idx: pca_of(rows=rows[idx]),
         resolution=resolution,
         seed=seed,
-        exclude=supported,
+        exclude=supported | query,
     )
-    n_ood = len(sizes)
+    groups = []
+    if query.any():
+        groups = query_ood_clusters(
+            maxcos < tau,
+            np.flatnonzero(query),
+            dom_r,
+            lambda idx: pca_of(rows=rows[idx]),
+            min_size=min_size,
+            seed=seed,
+        )
+    n_ood_labelled = len(sizes)
+    n_ood = n_ood_labelled + len(groups)
     if hidden:
         # novel types that the seen heads absorbed: sub-clusters of a seen class without their
         # share of labelled cells, in batches where cells were labelled
-        same_batch = np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
-        head_r = np.where(assign >= 0, -1, best_seen)
-        groups = hidden_novel_clusters(
-            head_r,
+        groups += hidden_novel_clusters(
+            np.where(assign >= 0, -1, best_seen),
             lab_r,
-            same_batch,
+            ~query,
             sims.shape[1],
             lambda idx: pca_of(rows=rows[idx]),
-            min_size=min_cluster_size(int((lab_r < 0).sum())),
+            min_size=min_size,
             resolution=resolution,
             seed=seed,
             class_fraction=_class_fraction(nb_frac, tested, lab_r, sims.shape[1]),
             exclude=supported,
         )
-        for g in groups:
-            assign[g] = len(sizes)
-            sizes.append(int(g.size))
-        if groups:  # candidates ranked by size, largest first
-            order = np.argsort(-np.asarray(sizes), kind="stable")
-            rank = np.empty_like(order)
-            rank[order] = np.arange(order.size)
-            assign = np.where(assign >= 0, rank[np.maximum(assign, 0)], -1)
-            sizes = [sizes[i] for i in order]
+    for g in groups:
+        assign[g] = len(sizes)
+        sizes.append(int(g.size))
+    if groups:  # candidates ranked by size, largest first
+        order = np.argsort(-np.asarray(sizes), kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        assign = np.where(assign >= 0, rank[np.maximum(assign, 0)], -1)
+        sizes = [sizes[i] for i in order]
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     protos = rng.normal(size=(k, emb.shape[1]))
     for j in range(min(k, len(sizes))):
@@ -402,8 +418,15 @@ def _init_novel_heads(
         "n_hidden_in_seen": len(sizes) - n_ood,
         "n_supported_by_labels": int(supported.sum()),
         "n_anchored": int(core.sum()),
+        "n_query_clusters": n_ood - n_ood_labelled,
         "method": "Leiden clusters of cells below the 1% quantile of labelled max cosine"
-        + (", and sub-clusters of seen classes without labelled cells" if hidden else ""),
+        + (
+            "; in batches without labels, Leiden clusters of the batch with a majority (or 2.5x "
+            "the batch's share) of such cells"
+            if query.any()
+            else ""
+        )
+        + ("; sub-clusters of seen classes without labelled cells" if hidden else ""),
         "threshold": tau,
         "prior": prior.tolist(),
         # the core cells of each candidate cluster are labelled with its head while anchored
