@@ -331,6 +331,17 @@ def _init_novel_heads(
     the mean embedding of one.
     """
     rng = np.random.default_rng(seed)
+    pcas: dict[bytes, np.ndarray] = {}
+
+    def pca_rows(idx: np.ndarray) -> np.ndarray:
+        """PCA of the cells ``rows[idx]``, computed once per set of cells (on single-batch data
+        the batch's cells and all cells are the same set).
+        """
+        key = np.asarray(idx, dtype=np.int64).tobytes()
+        if key not in pcas:
+            pcas[key] = pca_of(rows=rows[idx])
+        return pcas[key]
+
     _, emb = infer(net, data, rows)  # (n_rows, D), L2-normalised
     seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
     sims = emb @ seen_w.T  # (n_rows, n_seen) cosine to each seen head
@@ -340,7 +351,7 @@ def _init_novel_heads(
     dom_r = domain[rows]
     # unlabelled cells among labelled ones (same batch) are of known types, however poorly the
     # seen heads score them
-    nb_frac, tested = labelled_neighbours(lab_r >= 0, dom_r, lambda idx: pca_of(rows=rows[idx]))
+    nb_frac, tested = labelled_neighbours(lab_r >= 0, dom_r, pca_rows)
     supported = labelled_support(lab_r >= 0, dom_r, nb_frac, tested)
     # batches without any labelled cell (a separate query): candidates are voted per cluster
     query = ~np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
@@ -348,7 +359,7 @@ def _init_novel_heads(
     assign, sizes, tau = ood_clusters(
         maxcos,
         lab_r >= 0,
-        lambda idx: pca_of(rows=rows[idx]),
+        pca_rows,
         resolution=resolution,
         seed=seed,
         exclude=supported | query,
@@ -359,7 +370,7 @@ def _init_novel_heads(
             maxcos < tau,
             np.flatnonzero(query),
             dom_r,
-            lambda idx: pca_of(rows=rows[idx]),
+            pca_rows,
             min_size=min_size,
             seed=seed,
         )
@@ -373,7 +384,7 @@ def _init_novel_heads(
             lab_r,
             ~query,
             sims.shape[1],
-            lambda idx: pca_of(rows=rows[idx]),
+            pca_rows,
             min_size=min_size,
             resolution=resolution,
             seed=seed,
@@ -403,7 +414,7 @@ def _init_novel_heads(
     in_cand = (assign >= 0) & (assign < k)
     head = np.where(in_cand, n_seen + assign, head)
     counts = np.bincount(head, minlength=n_seen + k).astype(np.float64)
-    core = cluster_cores(np.where(in_cand, assign, -1), pca_of(rows=rows))
+    core = cluster_cores(np.where(in_cand, assign, -1), pca_rows(np.arange(rows.size)))
     # novel heads without a candidate cluster (n_novel given above the estimate): no evidence of
     # any mass, so their prior is the detection limit (smallest candidate size), not an average
     # cluster; otherwise the regulariser fills them with cells of known types
