@@ -218,7 +218,7 @@ def annotate(
     head = model.assign_heads(pred.probs)  # pruned heads excluded
     labels_all = model.labels_for(head)
     novel_sizes = {head_names[n_seen + h]: int(counts[h]) for h in order}
-    similarity = _novel_similarity(data, scale, offset, head, head_names)
+    similarity = _novel_similarity(data, scale, offset, head, head_names, model.novel_names)
     model.extra = {
         "alignment": _jsonable(align_info),
         "estimate": _jsonable(estimate),
@@ -270,7 +270,7 @@ def annotate(
     return model if return_model else None
 
 
-def _novel_similarity(data, scale, offset, head, head_names) -> dict[str, Any]:
+def _novel_similarity(data, scale, offset, head, head_names, novel_names) -> dict[str, Any]:
     """Centred expression correlation of each novel cluster (its unlabelled cells) with each known
     type (its labelled cells), both after batch alignment.
 
@@ -283,14 +283,9 @@ def _novel_similarity(data, scale, offset, head, head_names) -> dict[str, Any]:
     means = aligned_group_means(data.X, groups, n_heads, data.domain, scale, offset)
     known = means[:n_seen]
     sims = profile_similarity(means[n_seen:], known, known.mean(axis=0))
-    kept = [
-        j
-        for j, name in enumerate(head_names[n_seen:])
-        if name is not None and name not in data.classes
-    ]
-    order = sorted(kept, key=lambda j: int(str(head_names[n_seen + j]).rsplit("_", 1)[1]))
+    order = [head_names.index(name) - n_seen for name in novel_names]
     return {
-        "clusters": [head_names[n_seen + j] for j in order],
+        "clusters": list(novel_names),
         "types": list(data.classes),
         "similarity": np.round(sims[order], 4).tolist(),
     }
