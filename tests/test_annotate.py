@@ -48,6 +48,9 @@ def test_output_contract(small_sim, tmp_path):
         "version",
     ):
         assert key in u
+    # the docstring documents every field written to uns
+    undocumented = [k for k in u if f"``{k}``" not in orca_sc.tl.annotate.__doc__]
+    assert undocumented == []
     assert u["input_scale"] == {"AnnData": "counts"}
     assert len(u["history"]["loss"]) == u["training"]["epochs"]
     # the input matrix is neither densified nor modified

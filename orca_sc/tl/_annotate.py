@@ -109,10 +109,17 @@ def annotate(
     ``obsm['X_{key_added}']``
         The L2-normalised cell embedding of the backbone.
     ``uns['{key_added}']``
-        ``params`` (the configuration), ``seen_classes``, ``novel_cluster_sizes``, ``n_novel``
-        (requested / estimated / heads used / found), ``input_scale`` (detected per input),
-        ``alignment``, ``history`` (per-epoch losses, uncertainty, margin, warm-up and anchor
-        flags), ``training`` (epochs, steps, seconds, device), ``seed`` and ``version``.
+        ``params`` (the configuration and ``labels_key``), ``mode`` (``"single"`` or
+        ``"reference"``), ``seen_classes``, ``novel_cluster_sizes`` (unlabelled cells per novel
+        cluster), ``novel_similarity`` (each novel cluster's expression correlation with each
+        known type), ``merged_into_known`` (novel clusters reported as a known type of another
+        batch, with their correlation), ``n_novel`` (requested / estimated / heads used /
+        found), ``estimate`` (how the candidate novel clusters were found: their sizes, how many
+        came from out-of-distribution cells, query-batch clusters and hidden sub-clusters, the
+        threshold, the regulariser prior), ``input_scale`` (detected per input), ``alignment``
+        (method and batches), ``data`` (labelled and unlabelled cells, shared and used genes),
+        ``history`` (per-epoch losses, uncertainty, margin, warm-up and anchor flags),
+        ``training`` (epochs, steps, seconds, device), ``seed`` and ``version``.
 
     """
     fields = {
