@@ -210,7 +210,7 @@ def match_known_types(
         sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
         return sig, main, counts
 
-    known, _, known_counts = signatures(np.where(labels >= 0, labels, -1), n_seen)
+    known, _, known_counts = signatures(labels, n_seen)  # -1 (unlabelled) is no group
     novel, novel_main, novel_counts = signatures(clusters, n_clusters)
     corr = novel @ known.T  # (n_clusters, n_seen) Pearson correlation of the signatures
     # a type can only absorb a cluster whose batch has none of the type's labelled cells

@@ -331,6 +331,12 @@ def estimate_n_novel(
     return {"n_novel": len(sizes), "cluster_sizes": sizes, "space": "pca"}
 
 
+#: :func:`query_ood_clusters`: a query cluster is a candidate when at least this fraction of its
+#: cells is out-of-distribution, or this many times the batch's overall fraction
+QUERY_MIN_FRACTION = 0.5
+QUERY_MIN_ENRICHMENT = 2.5
+
+
 def query_ood_clusters(
     ood: np.ndarray,
     cells: np.ndarray,
@@ -338,8 +344,8 @@ def query_ood_clusters(
     pca_of: Callable[[np.ndarray], np.ndarray],
     *,
     min_size: int,
-    min_fraction: float = 0.5,
-    min_enrichment: float = 2.5,
+    min_fraction: float = QUERY_MIN_FRACTION,
+    min_enrichment: float = QUERY_MIN_ENRICHMENT,
     resolution: float = 1.0,
     seed: int = 0,
 ) -> list[np.ndarray]:

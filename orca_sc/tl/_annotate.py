@@ -21,6 +21,8 @@ from .._align import (
 from .._config import OrcaConfig
 from .._data import prepare
 from .._estimate import (
+    QUERY_MIN_ENRICHMENT,
+    QUERY_MIN_FRACTION,
     cluster_cores,
     estimate_n_novel,
     hidden_novel_clusters,
@@ -376,8 +378,8 @@ def _init_novel_heads(
             min_size=min_size,
             seed=seed,
         )
-    n_ood_labelled = len(sizes)
-    n_ood = n_ood_labelled + len(groups)
+    n_query = len(groups)
+    n_ood = len(sizes) + n_query
     if hidden:
         # novel types that the seen heads absorbed: sub-clusters of a seen class without their
         # share of labelled cells, in batches where cells were labelled
@@ -431,11 +433,12 @@ def _init_novel_heads(
         "n_hidden_in_seen": len(sizes) - n_ood,
         "n_supported_by_labels": int(supported.sum()),
         "n_anchored": int(core.sum()),
-        "n_query_clusters": n_ood - n_ood_labelled,
+        "n_query_clusters": n_query,
         "method": "Leiden clusters of cells below the 1% quantile of labelled max cosine"
         + (
-            "; in batches without labels, Leiden clusters of the batch with a majority (or 2.5x "
-            "the batch's share) of such cells"
+            f"; in batches without labels, Leiden clusters of the batch with at least "
+            f"{QUERY_MIN_FRACTION:.0%} (or {QUERY_MIN_ENRICHMENT:g}x the batch's share) of such "
+            "cells"
             if query.any()
             else ""
         )
