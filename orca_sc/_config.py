@@ -54,7 +54,10 @@ class OrcaConfig:
         Number of novel heads: an int, or ``"auto"`` to estimate the number of novel types from the
         data: the number of candidate novel clusters found after the warm-up.
     resolution
-        Leiden resolution used to find candidate novel clusters (higher: more, smaller clusters).
+        Leiden resolution used to find candidate novel clusters (higher: more, smaller clusters),
+        or ``"auto"``: the resolution of ``(0.1, 0.25, 0.5, 1.0)`` at which Leiden clusters of
+        the labelled cells best match their labels, so that novel clusters are cut as finely as
+        the reference's types are (see :func:`orca_sc._estimate.calibrate_resolution`).
     hidden_novel
         Also look for novel types inside seen classes: in batches holding labelled cells, a
         sub-cluster of a seen class that lacks its share of labelled cells is a candidate novel
@@ -130,7 +133,7 @@ class OrcaConfig:
     hidden_dims: tuple[int, int] = (512, 128)
     dropout: float = 0.1
     n_novel: int | str = "auto"
-    resolution: float = 0.5
+    resolution: float | str = "auto"
     hidden_novel: bool = True
     merge_threshold: float | None = 0.7
     # training
@@ -192,7 +195,16 @@ class OrcaConfig:
             )
         if self.batch_size < 2:
             bad("batch_size", self.batch_size, "at least 2 (BatchNorm needs two cells)")
-        for name in ("lr", "target_sum", "resolution"):
+        if not (
+            (isinstance(self.resolution, str) and self.resolution == "auto")
+            or (
+                isinstance(self.resolution, (int, float))
+                and not isinstance(self.resolution, bool)
+                and self.resolution > 0
+            )
+        ):
+            bad("resolution", self.resolution, 'a positive number or "auto"')
+        for name in ("lr", "target_sum"):
             if not getattr(self, name) > 0:
                 bad(name, getattr(self, name), "a positive number")
         for name in (

@@ -1,9 +1,11 @@
 """Candidate novel clusters and the number of novel types (``n_novel="auto"``).
 
 Default (after the supervised warm-up), :func:`ood_clusters`: unlabelled cells whose best cosine
-similarity to a seen head is below the 1% quantile of the labelled cells' are clustered with
-Leiden on the PCA of their own expression; clusters of at least :func:`min_cluster_size` cells are
-the candidates, and their number is the estimate. In a batch without labelled cells (a separate
+similarity to a seen head is below the 1% quantile of the labelled cells', and, in batches with
+labelled cells, cells with improbably few labelled neighbours (:func:`label_deserts`), are
+clustered with Leiden on the PCA of their own expression, at the resolution that matches the
+granularity of the labelled types (:func:`calibrate_resolution`); clusters of at least
+:func:`min_cluster_size` cells are the candidates, and their number is the estimate. In a batch without labelled cells (a separate
 query) :func:`query_ood_clusters` decides per cluster of the batch instead, by majority vote.
 
 Without a warm-up (``warmup_epochs=0``), :func:`estimate_n_novel`: Leiden on the PCA of all cells;
@@ -81,8 +83,17 @@ def knn_graph(emb: np.ndarray, n_neighbors: int = 15) -> sp.csr_matrix:
     return A
 
 
-def leiden(emb: np.ndarray, resolution: float = 1.0, seed: int = 0) -> np.ndarray:
-    """Leiden cluster codes of the rows of ``emb`` (15-NN graph, igraph flavour, seeded)."""
+def leiden(
+    emb: np.ndarray,
+    resolution: float = 1.0,
+    seed: int = 0,
+    adjacency: sp.csr_matrix | None = None,
+) -> np.ndarray:
+    """Leiden cluster codes of the rows of ``emb`` (15-NN graph, igraph flavour, seeded).
+
+    ``adjacency``: the graph of :func:`knn_graph` when already built (to cluster one set of
+    cells at several resolutions).
+    """
     import anndata as ad
     import scanpy as sc
 
@@ -93,7 +104,7 @@ def leiden(emb: np.ndarray, resolution: float = 1.0, seed: int = 0) -> np.ndarra
         warnings.simplefilter("ignore")
         sc.tl.leiden(
             tmp,
-            adjacency=knn_graph(emb),
+            adjacency=knn_graph(emb) if adjacency is None else adjacency,
             resolution=resolution,
             flavor="igraph",
             n_iterations=2,
@@ -101,6 +112,47 @@ def leiden(emb: np.ndarray, resolution: float = 1.0, seed: int = 0) -> np.ndarra
             random_state=seed,
         )
     return tmp.obs["leiden"].cat.codes.to_numpy().astype(np.int64)
+
+
+#: resolutions tried by :func:`calibrate_resolution`, and the one used when it cannot be
+#: calibrated (fewer than two labelled classes)
+RESOLUTION_GRID = (0.1, 0.25, 0.5, 1.0)
+FALLBACK_RESOLUTION = 0.5
+_CALIBRATION_CELLS = 10_000
+
+
+def calibrate_resolution(
+    labels: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    grid: tuple[float, ...] = RESOLUTION_GRID,
+    seed: int = 0,
+) -> tuple[float, list[float]]:
+    """The Leiden resolution at which clusters match the granularity of the given annotation.
+
+    What counts as one cell type is the annotator's choice: one atlas splits neurons into many
+    types, another keeps broad classes made of distinct sub-populations. The labelled cells show
+    which: they (at most 10,000 of them, at random) are clustered at each resolution of ``grid``
+    (Leiden on the PCA of their own expression, ``pca_of(idx)``, one kNN graph) and the
+    resolution whose clusters agree best with their labels (adjusted Rand index; ties go to the
+    coarser) is returned, with the scores. Candidate novel clusters are then cut at the same
+    granularity as the known types. ``labels``: class codes, ``-1`` for unlabelled cells.
+    With fewer than two labelled classes, returns ``FALLBACK_RESOLUTION`` and no scores.
+    """
+    from sklearn.metrics import adjusted_rand_score
+
+    idx = np.flatnonzero(labels >= 0)
+    if np.unique(labels[idx]).size < 2 or idx.size < 3:
+        return FALLBACK_RESOLUTION, []
+    if idx.size > _CALIBRATION_CELLS:
+        rng = np.random.default_rng(seed)
+        idx = np.sort(rng.choice(idx, _CALIBRATION_CELLS, replace=False))
+    emb = pca_of(idx)
+    graph = knn_graph(emb)
+    scores = [
+        float(adjusted_rand_score(labels[idx], leiden(emb, r, seed, adjacency=graph))) for r in grid
+    ]
+    return float(grid[int(np.argmax(scores))]), scores
 
 
 def min_cluster_size(n_unlabeled: int) -> int:
@@ -188,6 +240,41 @@ def labelled_support(
     return supported
 
 
+#: :func:`label_deserts`: one-sided binomial level below which a cell has too few labelled
+#: neighbours for a known type
+DESERT_ALPHA = 0.01
+
+
+def label_deserts(
+    labeled: np.ndarray,
+    domain: np.ndarray,
+    frac: np.ndarray,
+    tested: np.ndarray,
+    *,
+    n_neighbors: int = 15,
+    alpha: float = DESERT_ALPHA,
+) -> np.ndarray:
+    """Unlabelled cells whose neighbourhood lacks labels: improbably few labelled neighbours.
+
+    The counterpart of :func:`labelled_support`. In a batch where cells were labelled at random,
+    a cell of a known type has about a fraction ``f`` of labelled cells among its
+    ``n_neighbors`` nearest neighbours (``frac``, from :func:`labelled_neighbours`; ``f`` is
+    measured around the batch's labelled cells). A cell with so few that a binomial draw at ``f``
+    gives as few with probability below ``alpha`` (0 or 1 of 15 at ``f`` = 0.4) sits among cells
+    nobody labelled: a type without labels, even when a seen head scores it confidently. Untested
+    cells (batches without labels) are never deserts. Returns a boolean mask.
+    """
+    from scipy.stats import binom
+
+    desert = np.zeros(labeled.shape[0], dtype=bool)
+    for d in np.unique(domain[tested]):  # loop over batches, not cells
+        idx = np.flatnonzero((domain == d) & tested)
+        expected = frac[idx][labeled[idx]].mean()
+        count = np.rint(frac[idx] * n_neighbors)
+        desert[idx] = ~labeled[idx] & (binom.cdf(count, n_neighbors, expected) < alpha)
+    return desert
+
+
 def ood_clusters(
     maxcos: np.ndarray,
     labeled: np.ndarray,
@@ -197,18 +284,22 @@ def ood_clusters(
     resolution: float = 1.0,
     seed: int = 0,
     exclude: np.ndarray | None = None,
+    include: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[int], float]:
     """Candidate novel clusters from the cells the seen heads do not explain.
 
     An unlabelled cell is out-of-distribution when its highest cosine similarity to a seen-class
-    head is below the ``quantile`` of that similarity over labelled cells. The OOD cells are
-    clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``); clusters of at least
-    :func:`min_cluster_size` cells are the candidates; cells in ``exclude`` (e.g.
+    head is below the ``quantile`` of that similarity over labelled cells; cells in ``include``
+    (e.g. :func:`label_deserts`) are treated as OOD however well they are scored. The OOD cells
+    are clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``); clusters of at
+    least :func:`min_cluster_size` cells are the candidates; cells in ``exclude`` (e.g.
     :func:`labelled_support`) never are. Returns ``(assign, sizes, threshold)`` with
     ``assign[i]`` the candidate index of cell ``i`` (``-1`` outside candidates), largest first.
     """
     tau = float(np.quantile(maxcos[labeled], quantile))
     ood = ~labeled & (maxcos < tau)
+    if include is not None:
+        ood |= include & ~labeled
     if exclude is not None:
         ood &= ~exclude
     ood = np.flatnonzero(ood)

@@ -260,6 +260,56 @@ def test_hidden_novel_clusters_finds_a_type_absorbed_by_a_seen_head():
     assert len(all_batches) == 2
 
 
+def test_label_deserts_are_the_cells_of_the_type_nobody_labelled():
+    """H (never labelled) sits among unlabelled cells only: a desert, even though A's head scores
+    it; unlabelled A and B cells sit among labelled ones; the query batch (no labels) is not
+    tested, so its A cells are not deserts although none of their neighbours is labelled.
+    """
+    from orca_sc._estimate import label_deserts, labelled_neighbours
+
+    emb, truth, labels, _, same_batch = _hidden_fixture()
+    domain = np.where(same_batch, 0, 1)
+    lab = labels >= 0
+    frac, tested = labelled_neighbours(lab, domain, lambda idx: emb[idx])
+    desert = label_deserts(lab, domain, frac, tested)
+    assert desert[truth == "H"].mean() > 0.9
+    # a binomial test at level 0.01: about 1% of the known unlabelled cells, by chance
+    assert desert[(truth != "H") & same_batch & ~lab].mean() < 0.03
+    assert not desert[~same_batch].any() and not tested[~same_batch].any()
+    assert not desert[lab].any()
+    # stricter level: fewer or equal deserts, never more
+    strict = label_deserts(lab, domain, frac, tested, alpha=1e-6)
+    assert not (strict & ~desert).any() and strict.sum() < desert.sum()
+
+
+def test_calibrate_resolution_follows_the_granularity_of_the_labels():
+    """Four separate groups, each a continuum cut into three sub-types along its length: labels
+    naming the groups calibrate a coarser resolution than labels naming the sub-types; one
+    class cannot be calibrated.
+    """
+    from orca_sc._estimate import FALLBACK_RESOLUTION, RESOLUTION_GRID, calibrate_resolution
+
+    rng = np.random.default_rng(0)
+    centers = rng.normal(0, 30, (4, 10))
+    dirs = rng.normal(size=(4, 10))
+    dirs /= np.linalg.norm(dirs, axis=1, keepdims=True)
+    t = rng.uniform(-6, 6, (4, 300))  # position along each group
+    emb = np.vstack(
+        [centers[g] + t[g, :, None] * dirs[g] + rng.normal(0, 1, (300, 10)) for g in range(4)]
+    )
+    fine = np.concatenate([3 * g + np.digitize(t[g], [-2, 2]) for g in range(4)])
+    coarse = fine // 3
+    r_fine, s_fine = calibrate_resolution(fine, lambda idx: emb[idx])
+    r_coarse, s_coarse = calibrate_resolution(coarse, lambda idx: emb[idx])
+    assert r_coarse < r_fine
+    assert len(s_fine) == len(RESOLUTION_GRID) and max(s_coarse) > 0.95 and max(s_fine) > 0.5
+    # unlabelled cells (-1) are ignored; a single labelled class falls back
+    one = np.where(fine == 0, 0, -1)
+    assert calibrate_resolution(one, lambda idx: emb[idx]) == (FALLBACK_RESOLUTION, [])
+    part = np.where(rng.random(fine.size) < 0.5, coarse, -1)
+    assert calibrate_resolution(part, lambda idx: emb[idx])[0] < r_fine
+
+
 def test_hidden_novel_clusters_leaves_randomly_labelled_substructure_alone():
     from orca_sc._estimate import hidden_novel_clusters
 
@@ -353,6 +403,7 @@ def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():
         ("warmup_epochs", -2),
         ("lr", 0.0),
         ("resolution", -1.0),
+        ("resolution", "fine"),
         ("eta2", -0.1),
         ("prior", "flat"),
         ("alignment", "magic"),

@@ -23,9 +23,12 @@ from .._data import prepare
 from .._estimate import (
     QUERY_MIN_ENRICHMENT,
     QUERY_MIN_FRACTION,
+    RESOLUTION_GRID,
+    calibrate_resolution,
     cluster_cores,
     estimate_n_novel,
     hidden_novel_clusters,
+    label_deserts,
     labelled_neighbours,
     labelled_support,
     min_cluster_size,
@@ -164,6 +167,16 @@ def annotate(
         )
     else:
         if cfg.n_novel == "auto":
+            resolution = cfg.resolution
+            if resolution == "auto":
+                rows = subsample_rows(data.n_cells, cfg.seed)
+                resolution, _ = calibrate_resolution(
+                    data.labels[rows],
+                    lambda idx: pca_embedding(
+                        data.X, data.domain, scale, offset, seed=cfg.seed, rows=rows[idx]
+                    ),
+                    seed=cfg.seed,
+                )
             estimate = estimate_n_novel(
                 data.X,
                 data.labels,
@@ -171,7 +184,7 @@ def annotate(
                 scale,
                 offset,
                 seed=cfg.seed,
-                resolution=cfg.resolution,
+                resolution=resolution,
             )
         n_heads0 = n_seen + (estimate["n_novel"] if cfg.n_novel == "auto" else int(cfg.n_novel))
     pair_features = None
@@ -357,9 +370,16 @@ def _init_novel_heads(
     # seen heads score them
     nb_frac, tested = labelled_neighbours(lab_r >= 0, dom_r, pca_rows)
     supported = labelled_support(lab_r >= 0, dom_r, nb_frac, tested)
+    # unlabelled cells among unlabelled ones, in batches labelled at random: a type nobody
+    # labelled, even where a seen head scores it confidently
+    desert = label_deserts(lab_r >= 0, dom_r, nb_frac, tested)
     # batches without any labelled cell (a separate query): candidates are voted per cluster
     query = ~np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
     min_size = min_cluster_size(int((lab_r < 0).sum()))
+    # candidates are cut at the granularity of the labelled types
+    scores: list[float] = []
+    if resolution == "auto":
+        resolution, scores = calibrate_resolution(lab_r, pca_rows, seed=seed)
     assign, sizes, tau = ood_clusters(
         maxcos,
         lab_r >= 0,
@@ -367,6 +387,7 @@ def _init_novel_heads(
         resolution=resolution,
         seed=seed,
         exclude=supported | query,
+        include=desert,
     )
     groups = []
     if query.any():
@@ -432,9 +453,13 @@ def _init_novel_heads(
         "n_out_of_distribution": n_ood,
         "n_hidden_in_seen": len(sizes) - n_ood,
         "n_supported_by_labels": int(supported.sum()),
+        "n_label_deserts": int(desert.sum()),
+        "resolution": resolution,
+        "resolution_ari": dict(zip(map(str, RESOLUTION_GRID), scores, strict=False)),
         "n_anchored": int(core.sum()),
         "n_query_clusters": n_query,
-        "method": "Leiden clusters of cells below the 1% quantile of labelled max cosine"
+        "method": f"Leiden clusters (resolution {resolution:g}) of cells below the 1% quantile of "
+        "labelled max cosine or with improbably few labelled neighbours"
         + (
             f"; in batches without labels, Leiden clusters of the batch with at least "
             f"{QUERY_MIN_FRACTION:.0%} (or {QUERY_MIN_ENRICHMENT:g}x the batch's share) of such "
