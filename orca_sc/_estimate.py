@@ -275,6 +275,35 @@ def label_deserts(
     return desert
 
 
+#: :func:`segregated_batches`: a batch whose unlabelled cells have labelled neighbours (are
+#: supported, :func:`labelled_support`) less often than this was not labelled at random
+SEGREGATED_SUPPORT = 0.1
+
+
+def segregated_batches(
+    labeled: np.ndarray,
+    domain: np.ndarray,
+    supported: np.ndarray,
+    tested: np.ndarray,
+    *,
+    min_supported: float = SEGREGATED_SUPPORT,
+) -> list[int]:
+    """Batches whose labelled and unlabelled cells are two populations, not a random draw.
+
+    :func:`labelled_support` and :func:`label_deserts` assume that a batch's labelled cells were
+    drawn from its cells at random, so that unlabelled cells of known types sit among labelled
+    ones. When under ``min_supported`` of a tested batch's unlabelled cells do, the labels were
+    not given at random (typically a reference and a query concatenated into one batch): every
+    unlabelled cell looks like a desert. Returns the codes of those batches.
+    """
+    out = []
+    for d in np.unique(domain[tested]):  # loop over batches, not cells
+        u = tested & (domain == d) & ~labeled
+        if u.any() and supported[u].mean() < min_supported:
+            out.append(int(d))
+    return out
+
+
 def ood_clusters(
     maxcos: np.ndarray,
     labeled: np.ndarray,

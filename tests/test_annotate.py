@@ -1,3 +1,5 @@
+import warnings
+
 import anndata as ad
 import numpy as np
 import pandas as pd
@@ -326,6 +328,26 @@ def test_label_deserts_are_novel_cells_and_become_candidates(small_sim, monkeypa
     assert desert[novel].mean() > 0.8 and desert[~novel].mean() < 0.02
     assert a.uns["orca"]["n_novel"]["found"] == 2
     assert "few labelled neighbours" in a.uns["orca"]["estimate"]["method"]
+
+
+def test_reference_and_query_in_one_batch_warns_and_takes_no_deserts():
+    """A reference and a query concatenated without batch_key: the query's cells have no
+    labelled neighbours, as if all were novel. The labelling is recognised as not random, the
+    user is told to pass batch_key, and no cell becomes a candidate for lacking labels; with
+    batch_key there is no warning.
+    """
+    ref, query = rare_in_reference(n_rare=200)
+    query = query[:600].copy()
+    ref.obs["lab"] = ref.obs["cell_type"].astype(str)
+    query.obs["lab"] = None
+    both = ad.concat([ref, query], label="sample", keys=["ref", "query"], index_unique="-")
+    both.obs["lab"] = both.obs["lab"].astype(object)
+    with pytest.warns(UserWarning, match="barely share neighbourhoods.*batch_key"):
+        a = orca_sc.tl.annotate(both, labels_key="lab", copy=True, **FAST)
+    assert a.uns["orca"]["estimate"]["n_label_deserts"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        orca_sc.tl.annotate(both, labels_key="lab", batch_key="sample", copy=True, **FAST)
 
 
 def test_tl_predict_and_similarity_of_novel_clusters(small_sim, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from functools import partial
 from typing import Any
 
@@ -24,6 +25,7 @@ from .._estimate import (
     QUERY_MIN_ENRICHMENT,
     QUERY_MIN_FRACTION,
     RESOLUTION_GRID,
+    SEGREGATED_SUPPORT,
     calibrate_resolution,
     cluster_cores,
     estimate_n_novel,
@@ -35,6 +37,7 @@ from .._estimate import (
     ood_clusters,
     pca_embedding,
     query_ood_clusters,
+    segregated_batches,
     subsample_rows,
 )
 from .._model import OrcaModel
@@ -121,6 +124,7 @@ def annotate(
         batch, with their correlation), ``n_novel`` (requested / estimated / heads used /
         found), ``estimate`` (how the candidate novel clusters were found: their sizes, how many
         came from out-of-distribution cells, query-batch clusters and hidden sub-clusters, the
+        number of label deserts, the Leiden resolution and its calibration scores, the
         threshold, the regulariser prior), ``input_scale`` (detected per input), ``alignment``
         (method and batches), ``data`` (labelled and unlabelled cells, shared and used genes),
         ``history`` (per-epoch losses, uncertainty, margin, warm-up and anchor flags),
@@ -159,6 +163,7 @@ def annotate(
             ),
             labels=data.labels,
             domain=data.domain,
+            domain_names=data.domain_names,
             rows=subsample_rows(data.n_cells, cfg.seed),
             n_novel=cfg.n_novel,
             resolution=cfg.resolution,
@@ -337,7 +342,7 @@ def write_fields(
 
 
 def _init_novel_heads(
-    net, data, *, pca_of, labels, domain, rows, n_novel, resolution, hidden, seed
+    net, data, *, pca_of, labels, domain, domain_names, rows, n_novel, resolution, hidden, seed
 ):
     """Prototypes of candidate novel clusters (see :func:`orca_sc._train.train`).
 
@@ -373,6 +378,21 @@ def _init_novel_heads(
     # unlabelled cells among unlabelled ones, in batches labelled at random: a type nobody
     # labelled, even where a seen head scores it confidently
     desert = label_deserts(lab_r >= 0, dom_r, nb_frac, tested)
+    # ... but only where labels were given among the batch's cells at random: where almost no
+    # unlabelled cell has labelled neighbours, labelled and unlabelled cells are two populations
+    # (e.g. a reference and a query concatenated without batch_key) and a lack of labels says
+    # nothing
+    for d in segregated_batches(lab_r >= 0, dom_r, supported, tested):
+        desert[dom_r == d] = False
+        where = f" of batch {domain_names[d]!r}" if len(domain_names) > 1 else ""
+        warnings.warn(
+            f"The labelled and unlabelled cells{where} barely share neighbourhoods (under "
+            f"{SEGREGATED_SUPPORT:.0%} of the unlabelled cells have labelled neighbours). If they "
+            "come from different samples or technologies, pass batch_key=... (or the reference "
+            "as a separate AnnData) so that the unlabelled cells are aligned and treated as a "
+            "query; as it is, known types may be reported as novel clusters.",
+            stacklevel=2,
+        )
     # batches without any labelled cell (a separate query): candidates are voted per cluster
     query = ~np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
     min_size = min_cluster_size(int((lab_r < 0).sum()))
