@@ -455,6 +455,9 @@ def estimate_n_novel(
 #: cells is out-of-distribution, or this many times the batch's overall fraction
 QUERY_MIN_FRACTION = 0.5
 QUERY_MIN_ENRICHMENT = 2.5
+#: Leiden resolution of :func:`query_ood_clusters` (0.5 and 2.0 were worse on the cross-batch
+#: tasks)
+QUERY_RESOLUTION = 1.0
 
 
 def query_ood_clusters(
@@ -466,7 +469,7 @@ def query_ood_clusters(
     min_size: int,
     min_fraction: float = QUERY_MIN_FRACTION,
     min_enrichment: float = QUERY_MIN_ENRICHMENT,
-    resolution: float = 1.0,
+    resolution: float = QUERY_RESOLUTION,
     seed: int = 0,
 ) -> list[np.ndarray]:
     """Candidate novel clusters of batches without labelled cells, decided per cluster.

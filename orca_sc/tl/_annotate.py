@@ -22,8 +22,10 @@ from .._align import (
 from .._config import OrcaConfig
 from .._data import prepare
 from .._estimate import (
+    FALLBACK_RESOLUTION,
     QUERY_MIN_ENRICHMENT,
     QUERY_MIN_FRACTION,
+    QUERY_RESOLUTION,
     RESOLUTION_GRID,
     SEGREGATED_SUPPORT,
     calibrate_resolution,
@@ -397,9 +399,14 @@ def _init_novel_heads(
     query = ~np.isin(dom_r, np.unique(dom_r[lab_r >= 0]))
     min_size = min_cluster_size(int((lab_r < 0).sum()))
     # candidates are cut at the granularity of the labelled types
+    # (only where labelled and unlabelled cells share a batch: query batches are voted at
+    # QUERY_RESOLUTION)
     scores: list[float] = []
     if resolution == "auto":
-        resolution, scores = calibrate_resolution(lab_r, pca_rows, seed=seed)
+        if ((lab_r < 0) & ~query).any():
+            resolution, scores = calibrate_resolution(lab_r, pca_rows, seed=seed)
+        else:
+            resolution = FALLBACK_RESOLUTION
     assign, sizes, tau = ood_clusters(
         maxcos,
         lab_r >= 0,
@@ -417,6 +424,7 @@ def _init_novel_heads(
             dom_r,
             pca_rows,
             min_size=min_size,
+            resolution=QUERY_RESOLUTION,
             seed=seed,
         )
     n_query = len(groups)
@@ -481,7 +489,8 @@ def _init_novel_heads(
         "method": f"Leiden clusters (resolution {resolution:g}) of cells below the 1% quantile of "
         "labelled max cosine or with improbably few labelled neighbours"
         + (
-            f"; in batches without labels, Leiden clusters of the batch with at least "
+            f"; in batches without labels, Leiden clusters (resolution {QUERY_RESOLUTION:g}) "
+            f"of the batch with at least "
             f"{QUERY_MIN_FRACTION:.0%} (or {QUERY_MIN_ENRICHMENT:g}x the batch's share) of such "
             "cells"
             if query.any()
