@@ -233,11 +233,19 @@ def labelled_support(
     cells (batches without labels) are never supported. Returns a boolean mask.
     """
     supported = np.zeros(labeled.shape[0], dtype=bool)
-    for d in np.unique(domain[tested]):
-        idx = np.flatnonzero((domain == d) & tested)
-        expected = frac[idx][labeled[idx]].mean()
+    for idx, expected in _tested_batches(labeled, domain, frac, tested):
         supported[idx] = ~labeled[idx] & (frac[idx] >= max(2 / 15, 0.5 * expected))
     return supported
+
+
+def _tested_batches(labeled, domain, frac, tested):
+    """For each batch with tested cells (:func:`labelled_neighbours`): its tested cells and the
+    labelled fraction ``f`` expected around a cell of a known type, measured around its labelled
+    cells.
+    """
+    for d in np.unique(domain[tested]):  # loop over batches, not cells
+        idx = np.flatnonzero((domain == d) & tested)
+        yield idx, frac[idx][labeled[idx]].mean()
 
 
 #: :func:`label_deserts`: one-sided binomial level below which a cell has too few labelled
@@ -267,9 +275,7 @@ def label_deserts(
     from scipy.stats import binom
 
     desert = np.zeros(labeled.shape[0], dtype=bool)
-    for d in np.unique(domain[tested]):  # loop over batches, not cells
-        idx = np.flatnonzero((domain == d) & tested)
-        expected = frac[idx][labeled[idx]].mean()
+    for idx, expected in _tested_batches(labeled, domain, frac, tested):
         count = np.rint(frac[idx] * n_neighbors)
         desert[idx] = ~labeled[idx] & (binom.cdf(count, n_neighbors, expected) < alpha)
     return desert
