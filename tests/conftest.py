@@ -16,6 +16,22 @@ def open_world(adata, seen, labeled_fraction=0.5, seed=0, key="cell_type"):
     return adata
 
 
+def record_returns(monkeypatch, module, name):
+    """Replace ``module.name`` by a wrapper that records what each call returns; returns the
+    list the return values are appended to.
+    """
+    orig = getattr(module, name)
+    returned = []
+
+    def wrapper(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        returned.append(out)
+        return out
+
+    monkeypatch.setattr(module, name, wrapper)
+    return returned
+
+
 @pytest.fixture
 def small_sim():
     """A quick open-world problem: 3 seen + 2 novel well-separated types."""

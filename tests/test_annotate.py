@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 import torch
-from conftest import FAST, SHARED_DATA, open_world, rare_in_reference
+from conftest import FAST, SHARED_DATA, open_world, rare_in_reference, record_returns
 
 import orca_sc
 from orca_sc import OrcaInputError, OrcaModel, TrainingDivergedError
@@ -281,20 +281,12 @@ def test_hidden_novel_cells_absorbed_by_seen_heads_are_found(small_sim, monkeypa
     import orca_sc.tl._annotate as ann
 
     truth = small_sim.obs["cell_type"].astype(str).to_numpy()
-    found = []
-
-    def spy(*args, **kwargs):
-        groups = hidden_novel_clusters(*args, **kwargs)
-        found.extend(groups)
-        return groups
-
-    from orca_sc._estimate import hidden_novel_clusters
-
-    monkeypatch.setattr(ann, "hidden_novel_clusters", spy)
+    calls = record_returns(monkeypatch, ann, "hidden_novel_clusters")
     monkeypatch.setattr(ann, "label_deserts", lambda lab, *a, **k: np.zeros(lab.shape[0], bool))
     fast = {**FAST, "epochs": 8}  # 5 epochs leave one type split over two heads (measured)
     a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **fast)
     e = a.uns["orca"]["estimate"]
+    found = [g for groups in calls for g in groups]
     assert e["n_hidden_in_seen"] == len(found) >= 1
     assert e["n_out_of_distribution"] + e["n_hidden_in_seen"] == e["n_novel"]
     cells = np.concatenate(found)
@@ -310,19 +302,11 @@ def test_label_deserts_are_novel_cells_and_become_candidates(small_sim, monkeypa
     types, and the candidates that start the novel heads include them.
     """
     import orca_sc.tl._annotate as ann
-    from orca_sc._estimate import label_deserts
 
     truth = small_sim.obs["cell_type"].astype(str).to_numpy()
-    seen = []
-
-    def spy(*args, **kwargs):
-        out = label_deserts(*args, **kwargs)
-        seen.append(out)
-        return out
-
-    monkeypatch.setattr(ann, "label_deserts", spy)
+    calls = record_returns(monkeypatch, ann, "label_deserts")
     a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **FAST)
-    desert = seen[0]
+    desert = calls[0]
     novel = np.isin(truth, ["type_3", "type_4"])
     assert a.uns["orca"]["estimate"]["n_label_deserts"] == desert.sum()
     assert desert[novel].mean() > 0.8 and desert[~novel].mean() < 0.02
