@@ -18,6 +18,7 @@ from ._config import HEAD_SCALE, OrcaConfig
 from .module import (
     OrcaNet,
     entropy_regularizer,
+    joint_cosine_features,
     margin_cross_entropy,
     pairwise_loss,
     select_pairs,
@@ -288,7 +289,13 @@ def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anch
     prob = F.softmax(logits, dim=1)
     logits2, _ = net(x)  # second view: another dropout mask
     prob2 = F.softmax(logits2, dim=1)
-    pair_idx = select_pairs(feat if pair_feats is None else pair_feats, y, gen)
+    if pair_feats is None:  # pair_space="embedding"
+        space = feat
+    elif config.pair_space == "both":
+        space = joint_cosine_features(pair_feats, feat)
+    else:
+        space = pair_feats
+    pair_idx = select_pairs(space, y, gen)
     pair = pairwise_loss(prob, prob2[pair_idx])
     reg = entropy_regularizer(prob, prior) if config.regularizer else zero
     loss = sup + config.eta1 * pair + config.eta2 * reg + config.anchor_weight * anchor

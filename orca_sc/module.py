@@ -117,6 +117,17 @@ def entropy_regularizer(prob: torch.Tensor, prior: torch.Tensor | None = None) -
     return (mean * (torch.log(mean.clamp_min(_EPS)) - torch.log(prior.clamp_min(_EPS)))).sum()
 
 
+def joint_cosine_features(*spaces: torch.Tensor) -> torch.Tensor:
+    """Features whose cosine similarity is the mean of the cosine similarities in ``spaces``.
+
+    Each ``(B, D_i)`` tensor is L2-normalised and they are concatenated (detached): for two
+    rows, the dot product of the result is the sum of their cosines, and its norm is
+    ``sqrt(len(spaces))``, so its cosine is their mean. :func:`select_pairs` on these features
+    picks the partner that is close in every space.
+    """
+    return torch.cat([F.normalize(s.detach(), dim=1) for s in spaces], dim=1)
+
+
 def select_pairs(
     features: torch.Tensor,
     labels: torch.Tensor,

@@ -9,6 +9,7 @@ from orca_sc.module import (
     NormedLinear,
     OrcaNet,
     entropy_regularizer,
+    joint_cosine_features,
     margin_cross_entropy,
     pairwise_loss,
     select_pairs,
@@ -89,6 +90,25 @@ def test_select_pairs_labelled_same_class_and_unlabelled_nearest():
     assert idx[5] == 5
     assert idx[3] == 2  # nearest by cosine among the other cells (any label)
     assert idx[4] == 0
+
+
+def test_joint_cosine_features_average_the_cosines_and_pair_close_in_both_spaces():
+    pca = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.8, 0.6], [0.0, 1.0]])
+    emb = torch.tensor([[0.0, 2.0], [3.0, 0.0], [0.1, 1.0], [1.0, 1.0]])
+    joint = joint_cosine_features(pca, emb)
+
+    def cos(a):
+        a = F.normalize(a, dim=1)
+        return a @ a.T
+
+    assert torch.allclose(cos(joint), (cos(pca) + cos(emb)) / 2, atol=1e-6)
+    unlabelled = torch.full((4,), -1)
+    # cell 0: nearest in the PCA is cell 1, in the embedding cell 2; jointly cell 2 (0.8 + 0.995)
+    assert int(select_pairs(pca, unlabelled)[0]) == 1
+    assert int(select_pairs(emb, unlabelled)[0]) == 2
+    assert int(select_pairs(joint, unlabelled)[0]) == 2
+    mean_cos = ((cos(pca) + cos(emb)) / 2).fill_diagonal_(-2.0)
+    assert torch.equal(select_pairs(joint, unlabelled), mean_cos.argmax(dim=1))
 
 
 def test_select_pairs_random_partner_within_class():

@@ -195,9 +195,10 @@ def annotate(
             )
         n_heads0 = n_seen + (estimate["n_novel"] if cfg.n_novel == "auto" else int(cfg.n_novel))
     pair_features = None
-    if cfg.pair_space == "pca":
-        # the unlabelled cells' pairwise partners are chosen in the PCA of the aligned expression:
-        # the net's embedding, trained on the seen classes, does not yet separate novel types
+    if cfg.pair_space in ("pca", "both"):
+        # the unlabelled cells' pairwise partners are chosen (also) in the PCA of the aligned
+        # expression: the net's embedding, trained on the seen classes, does not yet separate
+        # novel types
         pair_features = pca_embedding(
             data.X, data.domain, scale, offset, n_comps=cfg.pair_pcs, seed=cfg.seed
         )
