@@ -123,7 +123,7 @@ def joint_cosine_features(*spaces: torch.Tensor) -> torch.Tensor:
     Each ``(B, D_i)`` tensor is L2-normalised and they are concatenated (detached): for two
     rows, the dot product of the result is the sum of their cosines, and its norm is
     ``sqrt(len(spaces))``, so its cosine is their mean. :func:`select_pairs` on these features
-    picks the partner that is close in every space.
+    picks the partner that is closest on average over the spaces.
     """
     return torch.cat([F.normalize(s.detach(), dim=1) for s in spaces], dim=1)
 
