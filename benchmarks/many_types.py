@@ -15,13 +15,13 @@ Prints one row per seed and writes ``reports/many_types.csv``.
 from __future__ import annotations
 
 import argparse
-import ast
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from _overrides import config_overrides
 
 import orca_sc
 from orca_sc.datasets import simulate
@@ -55,13 +55,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="OrcaConfig overrides, key=value")
     ap.add_argument("--out", type=Path, default=Path("reports/many_types.csv"))
     args = ap.parse_args()
-    overrides = {}
-    for kv in args.set:
-        k, v = kv.split("=", 1)
-        try:
-            overrides[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            overrides[k] = v
+    overrides = config_overrides(args.set)
     rows = []
     for seed in args.seeds:
         adata = simulate(

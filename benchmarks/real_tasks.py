@@ -9,11 +9,11 @@ Prints one row per task (mean over seeds) and writes ``reports/real_tasks.csv``.
 from __future__ import annotations
 
 import argparse
-import ast
 import time
 from pathlib import Path
 
 import pandas as pd
+from _overrides import config_overrides
 
 import orca_sc
 from orca_sc.benchmark import annotate_task, builtin_tasks
@@ -32,13 +32,7 @@ def main() -> None:
         "--true-n-novel", action="store_true", help="give n_novel = the true number of novel types"
     )
     args = ap.parse_args()
-    overrides = {}
-    for kv in args.set:
-        k, v = kv.split("=", 1)
-        try:
-            overrides[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            overrides[k] = v
+    overrides = config_overrides(args.set)
     rows = []
     for seed in args.seeds:
         for spec in builtin_tasks(args.data):
