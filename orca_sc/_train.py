@@ -295,7 +295,7 @@ def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anch
         space = joint_cosine_features(pair_feats, feat)
     else:
         space = pair_feats
-    pair_idx = select_pairs(space, y, gen)
+    pair_idx = select_pairs(space, y, gen, mutual=config.mutual_pairs)
     pair = pairwise_loss(prob, prob2[pair_idx])
     reg = entropy_regularizer(prob, prior) if config.regularizer else zero
     loss = sup + config.eta1 * pair + config.eta2 * reg + config.anchor_weight * anchor

@@ -132,12 +132,16 @@ def select_pairs(
     features: torch.Tensor,
     labels: torch.Tensor,
     generator: torch.Generator | None = None,
+    mutual: int = 0,
 ) -> torch.Tensor:
     """Index of each cell's positive partner within the mini-batch (paper §3.3).
 
     Labelled cells (``labels >= 0``) get a random *other* cell of the same class in the batch (itself
     when it is its class's only cell in the batch). Unlabelled cells get their nearest neighbour by
-    cosine similarity among all other cells of the batch. Fully vectorised: ``O(B^2)`` on the batch.
+    cosine similarity among all other cells of the batch. With ``mutual = k > 0``, that neighbour
+    is kept only when the cell is also among the neighbour's ``k`` nearest cells of the batch;
+    otherwise the cell is its own partner (the pairwise term then asks its two dropout views to
+    agree). Fully vectorised: ``O(B^2)`` on the batch.
     """
     n = features.shape[0]
     device = features.device
@@ -147,6 +151,13 @@ def select_pairs(
     sim = f @ f.T  # (B, B)
     sim = sim.masked_fill(eye, -math.inf)
     nn_idx = sim.argmax(dim=1)
+    self_idx = torch.arange(n, device=device)
+    if mutual > 0 and n > 2:
+        # a cell that is not among its neighbour's k nearest cells sits outside the neighbour's
+        # group (e.g. the batch holds no other cell of its type): pair it with itself
+        topk = sim.topk(min(mutual, n - 1), dim=1).indices  # (B, k)
+        is_mutual = (topk[nn_idx] == self_idx[:, None]).any(dim=1)
+        nn_idx = torch.where(is_mutual, nn_idx, self_idx)
     # labelled: random same-class partner, via argmax of random scores over allowed partners
     lab = labels >= 0
     same = (labels[:, None] == labels[None, :]) & lab[:, None] & lab[None, :] & ~eye
@@ -154,6 +165,5 @@ def select_pairs(
     scores = scores.masked_fill(~same, -1.0)
     partner = scores.argmax(dim=1)
     has_partner = same.any(dim=1)
-    self_idx = torch.arange(n, device=device)
     partner = torch.where(has_partner, partner, self_idx)
     return torch.where(lab, partner, nn_idx) if n > 1 else self_idx

@@ -412,6 +412,7 @@ def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():
         ("hidden_novel", "yes"),
         ("pair_space", "raw"),
         ("pair_pcs", 1),
+        ("mutual_pairs", -1),
     ],
 )
 def test_every_config_field_is_validated(field, value):

@@ -111,6 +111,22 @@ def test_joint_cosine_features_average_the_cosines_and_pair_close_in_both_spaces
     assert torch.equal(select_pairs(joint, unlabelled), mean_cos.argmax(dim=1))
 
 
+def test_select_pairs_mutual_keeps_pairs_within_groups_and_self_pairs_strangers():
+    deg = torch.tensor([0.0, 1.0, 3.0, 7.0, 20.0, 90.0, 91.0])  # 4-cell group, a stranger, a pair
+    rad = torch.deg2rad(deg)
+    feats = torch.stack([torch.cos(rad), torch.sin(rad)], dim=1)
+    unlabelled = torch.full((7,), -1)
+    paper = select_pairs(feats, unlabelled)
+    assert paper.tolist() == [1, 0, 1, 2, 3, 6, 5]  # the stranger (4) pairs into the group
+    mutual = select_pairs(feats, unlabelled, mutual=3)
+    # cell 3 is among its neighbour's (2) 3 nearest cells; the stranger is not among cell 3's
+    assert mutual.tolist() == [1, 0, 1, 2, 4, 6, 5]
+    assert select_pairs(feats, unlabelled, mutual=1).tolist() == [1, 0, 2, 3, 4, 6, 5]
+    # labelled cells keep their same-class partners whatever the rule
+    labels = torch.tensor([-1, -1, -1, -1, 0, 0, -1])
+    assert select_pairs(feats, labels, mutual=3)[4:6].tolist() == [5, 4]
+
+
 def test_select_pairs_random_partner_within_class():
     labels = torch.tensor([0] * 10)
     feats = torch.randn(10, 4)
