@@ -29,6 +29,11 @@ def test_scanpy_workflow_tutorial_runs():
     m = re.search(r"'novel_accuracy': ([0-9.]+)", r.stdout)
     assert m and float(m.group(1)) > 0.6
     assert "novel_1 (" in r.stdout and "closest:" in r.stdout
+    # the tutorial's reading of the clusters: plasma cells (MZB1, J chain) are a cluster of
+    # their own, apart from the B cells of the same sort gate
+    plasma = [ln for ln in r.stdout.splitlines() if ln.startswith("novel_") and "MZB1" in ln]
+    b_cells = [ln for ln in r.stdout.splitlines() if ln.startswith("novel_") and "MS4A1" in ln]
+    assert len(plasma) == 1 and len(b_cells) == 1 and plasma != b_cells
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "tm_facs_scfind.h5ad").exists(), reason="shared data absent")

@@ -85,3 +85,34 @@ for rec in orca_sc.tl.summarize(lognorm)["novel"]:
 # %%
 orca_sc.pl.correspondence(adata, "bulk_labels", show=False)
 plt.show()
+
+# %% [markdown]
+# ## Reading the novel clusters
+#
+# There are more novel clusters than hidden populations. That is not noise: `bulk_labels` were
+# given by matching each cell to bulk profiles of FACS-sorted populations, and a sort gate is
+# broader than a cell type. Where did the cells of each hidden population go?
+
+# %%
+is_hidden = adata.obs["bulk_labels"].isin(hidden)
+pd.crosstab(
+    adata.obs.loc[is_hidden, "bulk_labels"].astype(str),
+    adata.obs.loc[is_hidden, "orca_label"].astype(str),
+)
+
+# %% [markdown]
+# Read the table with the markers printed above:
+#
+# - the cluster marked by *MZB1*, *IGJ* (J chain), *TNFRSF17* (BCMA) and *SSR4* takes about a
+#   third of the sorted CD19+ B cells: these are **plasma cells**, antibody-secreting cells with
+#   their own programme, which the CD19 gate lumps with B cells;
+# - the cluster marked by *FCGR3A* (CD16), *LST1* and *AIF1* holds the CD14+ monocytes together
+#   with the "Dendritic" cells that express *FCGR3A*: **monocytes**, the CD16+ (non-classical) ones
+#   included;
+# - the remaining "Dendritic" cells split into an *FCER1A*+ cluster (conventional type-2 DCs) and
+#   an *IRF8*-high one.
+#
+# The paper's novel accuracy matches one cluster to each true population (Hungarian matching), so
+# the plasma-cell cluster and the second dendritic cluster count as errors against `bulk_labels`
+# even though they are distinct cell types. Before merging novel clusters, or naming them, look at
+# their markers (`orca_sc.tl.summarize`, `sc.tl.rank_genes_groups(adata, "orca_label")`).
