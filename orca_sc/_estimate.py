@@ -155,6 +155,25 @@ def calibrate_resolution(
     return float(grid[int(np.argmax(scores))]), scores
 
 
+def resolve_resolution(
+    resolution: float | str,
+    labels: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    seed: int = 0,
+    calibrate: bool = True,
+) -> tuple[float, list[float]]:
+    """The Leiden resolution to use for ``OrcaConfig.resolution``, with its calibration scores:
+    a number is used as given; ``"auto"`` is :func:`calibrate_resolution` on ``labels``, or
+    ``FALLBACK_RESOLUTION`` when ``calibrate`` is False (nothing to calibrate against).
+    """
+    if resolution != "auto":
+        return float(resolution), []
+    if not calibrate:
+        return FALLBACK_RESOLUTION, []
+    return calibrate_resolution(labels, pca_of, seed=seed)
+
+
 def min_cluster_size(n_unlabeled: int) -> int:
     """Smallest candidate novel cluster: 5 cells or 0.5% of the unlabelled cells."""
     return max(5, int(np.ceil(0.005 * n_unlabeled)))

@@ -150,14 +150,16 @@ def select_pairs(
     f = F.normalize(features.detach(), dim=1)
     sim = f @ f.T  # (B, B)
     sim = sim.masked_fill(eye, -math.inf)
-    nn_idx = sim.argmax(dim=1)
     self_idx = torch.arange(n, device=device)
     if mutual > 0 and n > 2:
         # a cell that is not among its neighbour's k nearest cells sits outside the neighbour's
         # group (e.g. the batch holds no other cell of its type): pair it with itself
-        topk = sim.topk(min(mutual, n - 1), dim=1).indices  # (B, k)
+        topk = sim.topk(min(mutual, n - 1), dim=1).indices  # (B, k), nearest first
+        nn_idx = topk[:, 0]
         is_mutual = (topk[nn_idx] == self_idx[:, None]).any(dim=1)
         nn_idx = torch.where(is_mutual, nn_idx, self_idx)
+    else:
+        nn_idx = sim.argmax(dim=1)
     # labelled: random same-class partner, via argmax of random scores over allowed partners
     lab = labels >= 0
     same = (labels[:, None] == labels[None, :]) & lab[:, None] & lab[None, :] & ~eye

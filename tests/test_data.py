@@ -308,6 +308,14 @@ def test_calibrate_resolution_follows_the_granularity_of_the_labels():
     assert calibrate_resolution(one, lambda idx: emb[idx]) == (FALLBACK_RESOLUTION, [])
     part = np.where(rng.random(fine.size) < 0.5, coarse, -1)
     assert calibrate_resolution(part, lambda idx: emb[idx])[0] < r_fine
+    # OrcaConfig.resolution: a number is used as given, "auto" is calibrated, or falls back
+    # when there is nothing to calibrate against
+    from orca_sc._estimate import resolve_resolution
+
+    assert resolve_resolution(2, fine, lambda idx: emb[idx]) == (2.0, [])
+    assert resolve_resolution("auto", fine, lambda idx: emb[idx]) == (r_fine, s_fine)
+    auto_off = resolve_resolution("auto", fine, lambda idx: emb[idx], calibrate=False)
+    assert auto_off == (FALLBACK_RESOLUTION, [])
 
 
 def test_hidden_novel_clusters_leaves_randomly_labelled_substructure_alone():

@@ -22,13 +22,11 @@ from .._align import (
 from .._config import OrcaConfig
 from .._data import prepare
 from .._estimate import (
-    FALLBACK_RESOLUTION,
     QUERY_MIN_ENRICHMENT,
     QUERY_MIN_FRACTION,
     QUERY_RESOLUTION,
     RESOLUTION_GRID,
     SEGREGATED_SUPPORT,
-    calibrate_resolution,
     cluster_cores,
     estimate_n_novel,
     hidden_novel_clusters,
@@ -39,6 +37,7 @@ from .._estimate import (
     ood_clusters,
     pca_embedding,
     query_ood_clusters,
+    resolve_resolution,
     segregated_batches,
     subsample_rows,
 )
@@ -174,16 +173,15 @@ def annotate(
         )
     else:
         if cfg.n_novel == "auto":
-            resolution = cfg.resolution
-            if resolution == "auto":
-                rows = subsample_rows(data.n_cells, cfg.seed)
-                resolution, _ = calibrate_resolution(
-                    data.labels[rows],
-                    lambda idx: pca_embedding(
-                        data.X, data.domain, scale, offset, seed=cfg.seed, rows=rows[idx]
-                    ),
-                    seed=cfg.seed,
-                )
+            rows = subsample_rows(data.n_cells, cfg.seed)
+            resolution, _ = resolve_resolution(
+                cfg.resolution,
+                data.labels[rows],
+                lambda idx: pca_embedding(
+                    data.X, data.domain, scale, offset, seed=cfg.seed, rows=rows[idx]
+                ),
+                seed=cfg.seed,
+            )
             estimate = estimate_n_novel(
                 data.X,
                 data.labels,
@@ -402,12 +400,9 @@ def _init_novel_heads(
     # candidates are cut at the granularity of the labelled types
     # (only where labelled and unlabelled cells share a batch: query batches are voted at
     # QUERY_RESOLUTION)
-    scores: list[float] = []
-    if resolution == "auto":
-        if ((lab_r < 0) & ~query).any():
-            resolution, scores = calibrate_resolution(lab_r, pca_rows, seed=seed)
-        else:
-            resolution = FALLBACK_RESOLUTION
+    resolution, scores = resolve_resolution(
+        resolution, lab_r, pca_rows, seed=seed, calibrate=((lab_r < 0) & ~query).any()
+    )
     assign, sizes, tau = ood_clusters(
         maxcos,
         lab_r >= 0,
