@@ -219,7 +219,9 @@ def _celltypist(task: Task, seed: int) -> np.ndarray:
     import anndata as ad
     import celltypist
 
-    logging.getLogger("celltypist").setLevel(logging.WARNING)  # its per-step chatter
+    # its per-step chatter, and its warning that the input is not "ALL genes" (it gets the genes
+    # shared by reference and query, as every method here)
+    logging.getLogger("celltypist").setLevel(logging.ERROR)
     f = _features(task, n_genes=None)
     genes = [f"g{i}" for i in range(f.X_ref.shape[1])]
     ref = ad.AnnData(X=f.X_ref.copy(), var=pd.DataFrame(index=genes))  # shared features
