@@ -401,7 +401,7 @@ def _init_novel_heads(
     # (only where labelled and unlabelled cells share a batch: query batches are voted at
     # QUERY_RESOLUTION)
     resolution, scores = resolve_resolution(
-        resolution, lab_r, pca_rows, seed=seed, calibrate=((lab_r < 0) & ~query).any()
+        resolution, lab_r, pca_rows, seed=seed, calibrate=bool(((lab_r < 0) & ~query).any())
     )
     assign, sizes, tau = ood_clusters(
         maxcos,
