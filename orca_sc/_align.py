@@ -39,7 +39,7 @@ def standardize(X: sp.csr_matrix, domain: np.ndarray, n_domains: int):
     return scale, offset
 
 
-def _group_domain_means(
+def group_domain_means(
     X: sp.csr_matrix, groups: np.ndarray, n_groups: int, domain: np.ndarray, n_domains: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Mean expression of every (group, batch) pair and its cell count (sparse products only).
@@ -60,7 +60,7 @@ def _group_domain_means(
 def class_centroids(X: sp.csr_matrix, labels: np.ndarray, n_classes: int) -> np.ndarray:
     """Mean expression of each labelled class, ``(n_classes, n_genes)``; sparse products only."""
     one_batch = np.zeros(X.shape[0], dtype=np.int64)
-    means, _ = _group_domain_means(X, labels, n_classes, one_batch, 1)
+    means, _ = group_domain_means(X, labels, n_classes, one_batch, 1)
     return means[:, 0].astype(np.float32)
 
 
@@ -76,7 +76,7 @@ def aligned_group_means(
 
     Computed from per-(group, batch) means of the sparse matrix, so nothing is densified.
     """
-    means, counts = _group_domain_means(X, groups, n_groups, domain, scale.shape[0])
+    means, counts = group_domain_means(X, groups, n_groups, domain, scale.shape[0])
     pair_mean = means * scale[None] + offset[None]  # (n_groups, n_dom, G), aligned
     w = counts * 1.0
     tot = np.maximum(w.sum(axis=1, keepdims=True), 1)
@@ -172,53 +172,3 @@ def compute_transform(
         offset[d] = centroid_shift(X[rows], centroids)
         norms[d] = float(np.linalg.norm(offset[d]))
     return scale, offset, {"method": method, "anchor": anchor, "shift_norm": norms}
-
-
-def match_known_types(
-    X: sp.csr_matrix,
-    labels: np.ndarray,
-    domain: np.ndarray,
-    clusters: np.ndarray,
-    n_clusters: int,
-    n_seen: int,
-    threshold: float,
-) -> list[tuple[int, int, float]]:
-    """Novel clusters that are a known type seen in another batch.
-
-    A known type that is rare in the reference but common in the query (or shifted by technology)
-    can come out as a novel cluster. Batch effects shift expression levels, but the genes that set
-    a type apart from the other cells *of its own batch* are largely the same in every batch. So
-    each group gets a within-batch marker signature: its mean expression in its main batch minus
-    that batch's mean over all cells. A cluster (``clusters[i]`` for unlabelled cell ``i``,
-    ``-1`` elsewhere) whose signature correlates at least ``threshold`` with a known type's is that
-    type, provided no cell of the type is labelled in the cluster's batch (within one batch the
-    labels already say which cells belong to the type, so no cluster is merged there).
-
-    Returns ``[(cluster, type, correlation), ...]`` for the merged clusters.
-    """
-    n_domains = int(domain.max()) + 1
-    all_means, _ = _group_domain_means(
-        X, np.zeros(X.shape[0], dtype=np.int64), 1, domain, n_domains
-    )
-    background = all_means[0]  # (n_domains, n_genes): mean over every cell of each batch
-
-    def signatures(groups, n_groups):
-        means, counts = _group_domain_means(X, groups, n_groups, domain, n_domains)
-        main = counts.argmax(axis=1)  # each group's main batch
-        sig = means[np.arange(n_groups), main] - background[main]
-        sig = sig - sig.mean(axis=1, keepdims=True)
-        sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
-        return sig, main, counts
-
-    known, _, known_counts = signatures(labels, n_seen)  # -1 (unlabelled) is no group
-    novel, novel_main, novel_counts = signatures(clusters, n_clusters)
-    corr = novel @ known.T  # (n_clusters, n_seen) Pearson correlation of the signatures
-    # a type can only absorb a cluster whose batch has none of the type's labelled cells
-    corr[known_counts[:, novel_main].T > 0] = -np.inf
-    corr[novel_counts.sum(axis=1) == 0] = -np.inf
-    merged = []
-    for j in range(n_clusters):
-        k = int(np.argmax(corr[j]))
-        if corr[j, k] >= threshold:
-            merged.append((j, k, float(corr[j, k])))
-    return merged

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MarginMode = Literal["adaptive", "fixed", "zero"]
@@ -14,6 +14,165 @@ PairSpace = Literal["both", "pca", "embedding"]
 #: Scale ``s`` of the L2-normalised head (paper Eq. 3). Defined here once; the head multiplies its
 #: cosine similarities by it and the margin is expressed in cosine units.
 HEAD_SCALE: float = 10.0
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """Every rule of the ``discover`` stage (:func:`orca_sc._discover.discover`): which unlabelled
+    cells form candidate novel clusters after the warm-up, how many novel types there are, and
+    which novel clusters are reported as known types. Saved with the model; each field names the
+    measurement behind its default ("sim" = :func:`orca_sc.datasets.simulate`; the real tasks are
+    those of ``orca-sc benchmark``).
+
+    Candidate clusters
+    ------------------
+    ood_quantile
+        An unlabelled cell is out-of-distribution when its best cosine to a seen head is below
+        this quantile of the labelled cells' (the labelled cells' own false-positive rate).
+    resolution
+        Leiden resolution of the candidate clusters, or ``"auto"``: the value of
+        ``resolution_grid`` at which Leiden clusters of the labelled cells best match their
+        labels (ARI), so novel types are cut as finely as the reference's (worm protocol: fixed
+        0.5 split novel types, novel 0.64; calibrated 0.25, 0.74).
+    resolution_grid, fallback_resolution, calibration_cells
+        The resolutions tried by ``"auto"``; the one used when it cannot be calibrated (fewer
+        than two labelled classes, or no labelled cell shares a batch with unlabelled ones); at
+        most this many labelled cells are clustered to calibrate.
+    min_cluster_cells, min_cluster_fraction
+        Smallest candidate: ``max(min_cluster_cells, min_cluster_fraction * n_unlabelled)``
+        cells; smaller groups are not reported as novel types.
+    n_neighbors
+        Neighbours of the kNN graphs (Leiden, labelled neighbourhoods, cluster cores).
+    n_pcs
+        Principal components of the aligned expression used for every graph here.
+    max_cells
+        At most this many cells (a random subset) are clustered.
+
+    Labels as evidence (batches where labelled and unlabelled cells share a batch)
+    --------------------------------------------------------------------------------
+    support_fraction, support_min
+        An unlabelled cell with at least ``support_fraction`` of the labelled fraction expected
+        around a known-type cell, and at least ``support_min`` labelled neighbours, is supported
+        by labels and never a candidate (sim: seen types rare in the reference kept known).
+    desert_alpha
+        One-sided binomial level under which a cell has too few labelled neighbours for a known
+        type: a label desert, a candidate however well a seen head scores it (protocol tasks, 3
+        seeds: MCA novel 0.76 -> 0.84, worm 0.67 -> 0.74, pbmc68k 0.63 -> 0.66).
+    segregated_support
+        A batch whose unlabelled cells are supported less often than this was not labelled at
+        random (a reference and a query concatenated without ``batch_key``): no deserts there.
+    hidden_novel, hidden_alpha, hidden_max_rel_fraction
+        Look inside every seen class for a sub-cluster with too few labels (binomial p below
+        ``hidden_alpha`` and a labelled fraction below ``hidden_max_rel_fraction`` times the
+        class's): a novel type a seen head absorbed (sim: two related types, one labelled).
+
+    Batches without labelled cells (a separate query)
+    -------------------------------------------------
+    query_resolution, query_min_fraction, query_min_enrichment
+        The whole query batch is clustered at ``query_resolution``; a cluster is a candidate
+        when at least ``query_min_fraction`` of its cells, or ``query_min_enrichment`` times the
+        batch's share, are out-of-distribution (pbmc cross-technology novel 0.81 -> 0.93; TM
+        kidney -> marrow 0.64 -> 0.80).
+
+    Anchors and merging
+    -------------------
+    core_min_agree, core_min_fraction
+        A candidate cell is at its cluster's core when at least ``core_min_agree`` of its
+        neighbours are in the cluster; a cluster with less than ``core_min_fraction`` core cells
+        is incoherent and not anchored (sim 20k cells: novel 0.69 -> 1.00 with anchors).
+    merge_threshold
+        A novel cluster found in a batch without labelled cells of a known type is reported as
+        that type when their within-batch marker signatures correlate at least this much
+        (closed-world baron mouse 2 -> 1: 6.4% -> 0.9% of known cells called novel). ``None``
+        keeps every novel cluster.
+    no_warmup_rel_threshold
+        Without a warm-up (``warmup_epochs=0``) the number of novel types is the number of
+        Leiden clusters of all cells whose labelled fraction is below this times the overall one.
+    """
+
+    ood_quantile: float = 0.01
+    resolution: float | str = "auto"
+    resolution_grid: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+    fallback_resolution: float = 0.5
+    calibration_cells: int = 10_000
+    min_cluster_cells: int = 5
+    min_cluster_fraction: float = 0.005
+    n_neighbors: int = 15
+    n_pcs: int = 30
+    max_cells: int = 50_000
+    support_fraction: float = 0.5
+    support_min: int = 2
+    desert_alpha: float = 0.01
+    segregated_support: float = 0.1
+    hidden_novel: bool = True
+    hidden_alpha: float = 1e-3
+    hidden_max_rel_fraction: float = 0.25
+    query_resolution: float = 1.0
+    query_min_fraction: float = 0.5
+    query_min_enrichment: float = 2.5
+    core_min_agree: float = 0.5
+    core_min_fraction: float = 2 / 3
+    merge_threshold: float | None = 0.7
+    no_warmup_rel_threshold: float = 0.1
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: Any, expected: str) -> None:
+            msg = f"Invalid {name}={value!r}: expected {expected}."
+            raise ValueError(msg)
+
+        object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
+        res = self.resolution
+        if not (res == "auto" or (_is_number(res) and res > 0)):
+            bad("resolution", res, 'a positive number or "auto"')
+        if not self.resolution_grid or not all(
+            _is_number(r) and r > 0 for r in self.resolution_grid
+        ):
+            bad("resolution_grid", self.resolution_grid, "positive numbers")
+        for name in ("fallback_resolution", "query_resolution", "query_min_enrichment"):
+            if not (_is_number(getattr(self, name)) and getattr(self, name) > 0):
+                bad(name, getattr(self, name), "a positive number")
+        for name in (
+            "ood_quantile",
+            "min_cluster_fraction",
+            "support_fraction",
+            "desert_alpha",
+            "segregated_support",
+            "hidden_alpha",
+            "hidden_max_rel_fraction",
+            "query_min_fraction",
+            "core_min_agree",
+            "core_min_fraction",
+            "no_warmup_rel_threshold",
+        ):
+            if not (_is_number(getattr(self, name)) and 0 <= getattr(self, name) <= 1):
+                bad(name, getattr(self, name), "a number in [0, 1]")
+        for name in ("calibration_cells", "min_cluster_cells", "max_cells"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                bad(name, getattr(self, name), "a positive integer")
+        for name in ("n_neighbors", "n_pcs"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 2:
+                bad(name, getattr(self, name), "an integer >= 2")
+        if not _is_int(self.support_min) or self.support_min < 0:
+            bad("support_min", self.support_min, "a non-negative integer")
+        if not isinstance(self.hidden_novel, bool):
+            bad("hidden_novel", self.hidden_novel, "True or False")
+        thr = self.merge_threshold
+        if thr is not None and not (_is_number(thr) and 0 < thr <= 1):
+            bad("merge_threshold", thr, "a number in (0, 1] or None")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DiscoveryConfig:
+        """Inverse of ``to_dict``; unknown keys raise."""
+        _check_keys(cls, d)
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able representation (tuples become lists)."""
+        return _to_dict(self)
+
+
+#: names of the :class:`DiscoveryConfig` fields (accepted as keywords by ``annotate``)
+DISCOVERY_FIELDS = frozenset(f.name for f in dataclasses.fields(DiscoveryConfig))
 
 
 @dataclass(frozen=True)
@@ -53,21 +212,10 @@ class OrcaConfig:
     n_novel
         Number of novel heads: an int, or ``"auto"`` to estimate the number of novel types from the
         data: the number of candidate novel clusters found after the warm-up.
-    resolution
-        Leiden resolution used to find candidate novel clusters (higher: more, smaller clusters),
-        or ``"auto"``: the resolution of ``(0.1, 0.25, 0.5, 1.0)`` at which Leiden clusters of
-        the labelled cells best match their labels, so that novel clusters are cut as finely as
-        the reference's types are (see :func:`orca_sc._estimate.calibrate_resolution`).
-    hidden_novel
-        Also look for novel types inside seen classes: in batches holding labelled cells, a
-        sub-cluster of a seen class that lacks its share of labelled cells is a candidate novel
-        cluster (see :func:`orca_sc._estimate.hidden_novel_clusters`).
-    merge_threshold
-        A novel cluster found in a batch without labelled cells of a known type is reported as
-        that type when their within-batch marker signatures (mean expression minus the batch's
-        mean) correlate at least this much: a known type that is rare in the reference or shifted
-        by technology is not a new type (see :func:`orca_sc._align.match_known_types`). ``None``
-        keeps every novel cluster.
+    discovery
+        A :class:`DiscoveryConfig`: every rule that decides candidate novel clusters, the number
+        of novel types and the merging of clusters back into known types (the ``discover`` stage,
+        :mod:`orca_sc._discover`). Its fields may also be given to ``annotate`` as keywords.
 
     Training (paper Eq. 1–6)
     ------------------------
@@ -82,7 +230,7 @@ class OrcaConfig:
     anchor_epochs, anchor_weight
         For ``anchor_epochs`` epochs of the full objective right after the novel heads are added,
         the core cells of every coherent candidate novel cluster (see
-        :func:`orca_sc._estimate.cluster_cores`) are pulled towards their cluster's head by a
+    :func:`orca_sc._discover.cluster_cores`) are pulled towards their cluster's head by a
         cross-entropy term of weight ``anchor_weight``. The warmed-up embedding (fitted to the
         seen classes only) maps different novel types close together, so head prototypes alone
         cannot tell them apart: without the anchor, seen heads near a novel type absorb it in the
@@ -149,9 +297,7 @@ class OrcaConfig:
     hidden_dims: tuple[int, int] = (512, 128)
     dropout: float = 0.1
     n_novel: int | str = "auto"
-    resolution: float | str = "auto"
-    hidden_novel: bool = True
-    merge_threshold: float | None = 0.7
+    discovery: DiscoveryConfig = field(default_factory=lambda: DiscoveryConfig())
     # training
     epochs: int = 20
     batch_size: int = 512
@@ -212,15 +358,6 @@ class OrcaConfig:
             )
         if self.batch_size < 2:
             bad("batch_size", self.batch_size, "at least 2 (BatchNorm needs two cells)")
-        if not (
-            (isinstance(self.resolution, str) and self.resolution == "auto")
-            or (
-                isinstance(self.resolution, (int, float))
-                and not isinstance(self.resolution, bool)
-                and self.resolution > 0
-            )
-        ):
-            bad("resolution", self.resolution, 'a positive number or "auto"')
         for name in ("lr", "target_sum"):
             if not getattr(self, name) > 0:
                 bad(name, getattr(self, name), "a positive number")
@@ -251,38 +388,70 @@ class OrcaConfig:
             bad("pair_pcs", self.pair_pcs, "an integer >= 2")
         if not _is_int(self.mutual_pairs) or self.mutual_pairs < 0:
             bad("mutual_pairs", self.mutual_pairs, "a non-negative integer (0: the paper's rule)")
-        if not isinstance(self.hidden_novel, bool):
-            bad("hidden_novel", self.hidden_novel, "True or False")
-        if self.merge_threshold is not None and not (
-            isinstance(self.merge_threshold, int | float)
-            and not isinstance(self.merge_threshold, bool)
-            and 0 < self.merge_threshold <= 1
-        ):
-            bad("merge_threshold", self.merge_threshold, "a number in (0, 1] or None")
+        if isinstance(self.discovery, dict):
+            object.__setattr__(self, "discovery", DiscoveryConfig.from_dict(self.discovery))
+        if not isinstance(self.discovery, DiscoveryConfig):
+            bad("discovery", self.discovery, "a DiscoveryConfig")
         if not _is_int(self.seed):
             bad("seed", self.seed, "an integer")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able representation (tuples become lists)."""
-        out = dataclasses.asdict(self)
-        for k, v in out.items():
-            if isinstance(v, tuple):
-                out[k] = list(v)
-        return out
+        """JSON-able representation (tuples become lists, ``discovery`` a nested dict)."""
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OrcaConfig:
-        """Inverse of :meth:`to_dict`; unknown keys raise."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            msg = f"Unknown configuration keys {sorted(unknown)}; known keys are {sorted(names)}."
-            raise ValueError(msg)
+        """Inverse of :meth:`to_dict`; unknown keys raise. Files written before 0.2 kept three
+        discovery options at the top level (``resolution``, ``hidden_novel``,
+        ``merge_threshold``); they are read into ``discovery``.
+        """
+        d = dict(d)
+        legacy = {k: d.pop(k) for k in _LEGACY_DISCOVERY_KEYS if k in d}
+        if legacy:
+            d["discovery"] = {**d.get("discovery", {}), **legacy}
+        _check_keys(cls, d)
         return cls(**d)
 
     def replace(self, **changes: Any) -> OrcaConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). Fields of :class:`DiscoveryConfig`
+        are accepted too and change ``discovery``.
+        """
+        disc = {k: changes.pop(k) for k in list(changes) if k in DISCOVERY_FIELDS}
+        if disc:
+            base = changes.pop("discovery", self.discovery)
+            if isinstance(base, dict):
+                base = DiscoveryConfig.from_dict(base)
+            changes["discovery"] = dataclasses.replace(base, **disc)
         return dataclasses.replace(self, **changes)
+
+
+def _to_dict(cfg: Any) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            v = _to_dict(v)
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+def _check_keys(cls: type, d: dict[str, Any]) -> None:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        msg = f"Unknown configuration keys {sorted(unknown)}; known keys are {sorted(names)}."
+        raise ValueError(msg)
+
+
+_LEGACY_DISCOVERY_KEYS = ("resolution", "hidden_novel", "merge_threshold")
+
+
+def _is_number(x: Any) -> bool:
+    import numbers
+
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
 
 
 def _is_int(x: Any) -> bool:

@@ -74,6 +74,27 @@ class OrcaModel:
         self.history = history or []
         self.extra = extra or {}
 
+    # ------------------------------------------------------------------------------------ fit
+    @classmethod
+    def fit(
+        cls,
+        adata: Any,
+        reference: Any | None = None,
+        *,
+        labels_key: str,
+        config: OrcaConfig | None = None,
+        **kwargs: Any,
+    ) -> OrcaModel:
+        """Train a model as :func:`orca_sc.tl.annotate` does (same arguments, same result for
+        the same seed), without writing anything into ``adata``; label cells with
+        :meth:`predict`, keep it with :meth:`save`.
+        """
+        from ._pipeline import fit, resolve_config
+
+        cfg = resolve_config(config, "OrcaModel.fit()", **kwargs)
+        model, _ = fit(adata, reference, labels_key, cfg)
+        return model
+
     # -------------------------------------------------------------------------------- inference
     def predict_arrays(
         self,
@@ -92,6 +113,35 @@ class OrcaModel:
         """Most probable head of each cell among the kept heads (pruned heads never win)."""
         kept = np.array([n is not None for n in self.head_names])
         return np.where(kept[None, :], probs, -1.0).argmax(axis=1)
+
+    def seen_cosine(self, embedding: np.ndarray) -> np.ndarray:
+        """Each cell's cosine to its nearest seen-class head, ``(n,)``, from its L2-normalised
+        ``embedding`` ``(n, D)``.
+        """
+        w = self.net.head.weight.detach().cpu().numpy()[: len(self.classes)]
+        w = w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
+        return (embedding @ w.T).max(axis=1)
+
+    def calibrate_novelty(self, embedding: np.ndarray, labels: np.ndarray) -> None:
+        """Store the distribution of the labelled cells' cosine to their nearest seen head
+        (1,001 quantiles), against which :meth:`novelty` scores cells.
+        """
+        del labels  # the nearest seen head, whichever class it is
+        cos = self.seen_cosine(embedding)
+        self.extra["seen_cosine_quantiles"] = np.quantile(cos, np.linspace(0, 1, 1001)).tolist()
+
+    def novelty(self, embedding: np.ndarray) -> np.ndarray:
+        """Novelty score of each cell (0-1): one minus the share of labelled reference cells that
+        are less similar to their nearest seen head than the cell is to its own. Cells of known
+        types score about uniformly; a cell less like any known type than almost every labelled
+        cell scores near 1. NaN for models saved before the score existed.
+        """
+        q = self.extra.get("seen_cosine_quantiles")
+        if not q:
+            return np.full(embedding.shape[0], np.nan, dtype=np.float32)
+        q = np.asarray(q)
+        below = np.interp(self.seen_cosine(embedding), q, np.linspace(0, 1, q.size))
+        return (1.0 - below).astype(np.float32)
 
     def labels_for(self, head: np.ndarray) -> np.ndarray:
         """Output label (class or novel cluster name) of each cell's head."""

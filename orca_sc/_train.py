@@ -1,13 +1,19 @@
-"""ORCA's training loop (paper Algorithm 1) and batched inference. Torch and numpy only."""
+"""ORCA's training (paper Algorithm 1) in two phases, and batched inference. Torch and numpy
+only: no AnnData, nothing of ``tl``.
+
+:func:`fit_warmup` trains a new net on the labelled cells (supervised term only);
+:func:`fit_open_world` continues from it with novel heads added (a new net) and the full
+objective on all cells. A :class:`TrainRandom` carries the random streams across the two.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
@@ -95,28 +101,6 @@ class DeviceCSR:
         return out
 
 
-@dataclass
-class TrainResult:
-    net: OrcaNet
-    history: list[dict]
-    n_epochs: int
-    n_steps: int
-    seconds: float
-    device: str
-    novel_info: dict
-
-
-def _schedule(n_cells: int, config: OrcaConfig) -> tuple[int, int, int, int]:
-    """(batches per epoch, epochs, warm-up epochs, anchor epochs): at least ``min_steps``
-    optimiser steps; warm-up and anchor phases scale with the number of epochs.
-    """
-    steps_per_epoch = max(1, math.ceil(n_cells / config.batch_size))
-    n_epochs = max(config.epochs, math.ceil(config.min_steps / steps_per_epoch))
-    warmup = round(config.warmup_epochs * n_epochs / config.epochs)
-    anchor = round(config.anchor_epochs * n_epochs / config.epochs)
-    return steps_per_epoch, n_epochs, warmup, anchor
-
-
 @torch.no_grad()
 def mean_uncertainty(net: OrcaNet, data: DeviceCSR, rows: torch.Tensor) -> float:
     """Paper Eq. 4: mean over ``rows`` of ``1 - max softmax``, in eval mode."""
@@ -130,83 +114,154 @@ def mean_uncertainty(net: OrcaNet, data: DeviceCSR, rows: torch.Tensor) -> float
     return total / rows.numel()
 
 
-def train(
-    X: sp.csr_matrix,
-    labels: np.ndarray,
-    domain: np.ndarray,
-    scale: np.ndarray,
-    offset: np.ndarray,
-    n_heads: int,
-    config: OrcaConfig,
-    novel_init: Callable[[OrcaNet, DeviceCSR], tuple[torch.Tensor, dict]] | None = None,
-    pair_features: np.ndarray | None = None,
-) -> TrainResult:
-    """Fit an :class:`OrcaNet` with the ORCA objective. Same seed and device give the same net.
+@dataclass(frozen=True)
+class Schedule:
+    """Batches per epoch and the number of epochs of each phase (see :func:`schedule`)."""
 
-    With ``novel_init`` and warm-up epochs, the net starts with ``n_heads`` (the seen classes) and
-    ``novel_init(net, data)`` is called after the warm-up: it returns the initial weights of the
-    novel heads ``(n_novel, D)`` (e.g. prototypes of candidate novel clusters in the warmed-up
-    embedding), which are appended to the head before the full objective starts.
+    steps_per_epoch: int
+    n_epochs: int
+    warmup: int
+    anchor: int
+
+
+def schedule(n_cells: int, config: OrcaConfig) -> Schedule:
+    """At least ``min_steps`` optimiser steps (epochs are added for small data); warm-up and
+    anchor phases scale with the number of epochs.
     """
-    device = resolve_device(config.device)
-    t0 = time.perf_counter()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(config.seed)
-        result = _train(
-            X, labels, domain, scale, offset, n_heads, config, device, novel_init, pair_features
+    steps_per_epoch = max(1, math.ceil(n_cells / config.batch_size))
+    n_epochs = max(config.epochs, math.ceil(config.min_steps / steps_per_epoch))
+    warmup = round(config.warmup_epochs * n_epochs / config.epochs)
+    anchor = round(config.anchor_epochs * n_epochs / config.epochs)
+    return Schedule(steps_per_epoch, n_epochs, warmup, anchor)
+
+
+class TrainRandom:
+    """The random streams of one training run, carried from the warm-up to the open-world phase
+    so that the two phases together draw exactly as one run would: mini-batch order (numpy),
+    labelled cells' pair partners (a torch generator) and torch's global stream (weight
+    initialisation, dropout), which is saved on leaving a phase and restored on entering the next
+    (the caller's global state is left as it was).
+    """
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.numpy = np.random.default_rng(seed)
+        self.pairs = torch.Generator().manual_seed(seed)
+        self._devices = [device] if device.type == "cuda" else []
+        self._state: tuple | None = None
+        self._seed = seed
+
+    @contextlib.contextmanager
+    def torch_stream(self):
+        with torch.random.fork_rng(devices=self._devices):
+            if self._state is None:
+                torch.manual_seed(self._seed)
+            else:
+                torch.random.set_rng_state(self._state[0])
+                if self._devices:
+                    torch.cuda.set_rng_state(self._state[1], self._devices[0])
+            try:
+                yield
+            finally:
+                cuda = torch.cuda.get_rng_state(self._devices[0]) if self._devices else None
+                self._state = (torch.random.get_rng_state(), cuda)
+
+
+@dataclass(frozen=True)
+class NovelHeads:
+    """What the open-world phase needs from discovery: initial weights ``(k, D)`` of the novel
+    heads, the regulariser's prior over all heads (``None``: uniform), and the rows of the
+    training matrix anchored to a novel head during the anchor epochs, with their heads.
+    """
+
+    prototypes: np.ndarray
+    prior: np.ndarray | None = None
+    anchor_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    anchor_heads: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+
+def fit_warmup(
+    data: DeviceCSR,
+    labels: np.ndarray,
+    n_seen: int,
+    config: OrcaConfig,
+    plan: Schedule,
+    rand: TrainRandom,
+) -> tuple[OrcaNet, list[dict]]:
+    """A new :class:`OrcaNet` with one head per seen class, trained for ``plan.warmup`` epochs on
+    the labelled cells with the supervised term alone (the margin follows the unlabelled cells'
+    uncertainty as in the full objective). Returns the net and one history record per epoch.
+    """
+    with rand.torch_stream():
+        net = OrcaNet(data.shape[1], n_seen, config.hidden_dims, config.dropout).to(data.device)
+        history = _run_epochs(net, data, labels, range(plan.warmup), plan, config, rand, full=False)
+    return net, history
+
+
+def fit_open_world(
+    net: OrcaNet,
+    data: DeviceCSR,
+    labels: np.ndarray,
+    novel: NovelHeads,
+    config: OrcaConfig,
+    plan: Schedule,
+    rand: TrainRandom,
+    pair_features: np.ndarray | None = None,
+) -> tuple[OrcaNet, list[dict]]:
+    """ORCA's open-world phase (paper Algorithm 1) on all cells: a new net with ``net``'s
+    backbone and seen heads plus the novel heads of ``novel``, trained with the full objective
+    for the epochs after the warm-up (the first ``plan.anchor`` of them with the anchor term).
+    ``pair_features`` ``(n_cells, P)``: a fixed space in which unlabelled cells' pairwise
+    partners are also looked for (``config.pair_space``). ``net`` is left as it is.
+    """
+    dev = data.device
+    with rand.torch_stream():
+        net = net.with_novel_heads(torch.as_tensor(novel.prototypes, dtype=torch.float32))
+        net = net.to(dev)
+        prior = None
+        if config.prior == "data" and novel.prior is not None:
+            prior = torch.as_tensor(novel.prior, dtype=torch.float32, device=dev)
+        y_anchor = None
+        if novel.anchor_rows.size:
+            y_anchor = torch.full((data.shape[0],), -1, dtype=torch.int64, device=dev)
+            y_anchor[torch.as_tensor(novel.anchor_rows, device=dev)] = torch.as_tensor(
+                novel.anchor_heads, dtype=torch.int64, device=dev
+            )
+        feats = None
+        if pair_features is not None:
+            feats = torch.as_tensor(pair_features, dtype=torch.float32, device=dev)
+        epochs = range(plan.warmup, plan.n_epochs)
+        history = _run_epochs(
+            net, data, labels, epochs, plan, config, rand, True, prior, y_anchor, feats
         )
-    result.seconds = time.perf_counter() - t0
-    return result
+    net.eval()
+    return net, history
 
 
-def _train(
-    X, labels, domain, scale, offset, n_heads, config, device, novel_init, pair_features
-) -> TrainResult:
+def _run_epochs(
+    net, data, labels, epochs, plan, config, rand, full, prior=None, y_anchor=None, pair_feats=None
+) -> list[dict]:
+    """Train ``net`` in place over ``epochs`` (epoch numbers of the whole run)."""
     from tqdm import tqdm
 
-    rng = np.random.default_rng(config.seed)
-    pair_gen = torch.Generator().manual_seed(config.seed)
-    data = DeviceCSR(X, domain, scale, offset, device)
+    device = data.device
     y_all = torch.as_tensor(labels, device=device)
     lab_idx = np.flatnonzero(labels >= 0)
     unl_idx = np.flatnonzero(labels < 0)
     unl_t = torch.as_tensor(unl_idx, device=device)
-
-    net = OrcaNet(X.shape[1], n_heads, config.hidden_dims, config.dropout).to(device)
     opt = torch.optim.Adam(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    steps_per_epoch, n_epochs, warmup, anchor = _schedule(X.shape[0], config)
     history: list[dict] = []
     # in a log file (stderr not a terminal) refresh every 10 s instead of many times a second
     tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
     bar = tqdm(
-        range(n_epochs),
-        desc="ORCA",
+        epochs,
+        desc="ORCA" if full else "ORCA warm-up",
         unit="epoch",
         disable=not config.progress,
         leave=False,
         mininterval=0.1 if tty else 10.0,
     )
-    n_steps = 0
-    pair_feats = None
-    if pair_features is not None:  # fixed similarity space for the unlabelled cells' partners
-        pair_feats = torch.as_tensor(pair_features, dtype=torch.float32, device=device)
-    novel_info: dict = {}
-    prior = None  # uniform
-    y_anchor = None  # candidate novel cells' cluster heads (-1 elsewhere), for the anchor epochs
     for epoch in bar:
         t_epoch = time.perf_counter()
-        if novel_init is not None and warmup > 0 and epoch == warmup:
-            protos, novel_info = novel_init(net, data)
-            net.head.add_heads(protos.to(device))
-            if config.prior == "data" and "prior" in novel_info:
-                prior = torch.as_tensor(novel_info["prior"], dtype=torch.float32, device=device)
-            if "anchor" in novel_info:  # (rows, heads) of the candidate novel cells
-                rows_a, heads_a = novel_info.pop("anchor")
-                y_anchor = torch.full_like(y_all, -1)
-                y_anchor[torch.as_tensor(rows_a, device=device)] = torch.as_tensor(
-                    heads_a, dtype=y_all.dtype, device=device
-                )
-            opt = torch.optim.Adam(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         u = mean_uncertainty(net, data, unl_t)
         if config.margin == "adaptive":
             margin = min(config.lam * u, config.max_margin)
@@ -214,13 +269,12 @@ def _train(
             margin = config.fixed_margin
         else:
             margin = 0.0
-        full = epoch >= warmup
-        anchored = y_anchor is not None and epoch < warmup + anchor
+        anchored = y_anchor is not None and epoch < plan.warmup + plan.anchor
         net.train()
         # mini-batches mix labelled and unlabelled cells in proportion; balanced sizes, so the
         # last batch is never tiny
-        lab_chunks = np.array_split(rng.permutation(lab_idx), steps_per_epoch)
-        unl_chunks = np.array_split(rng.permutation(unl_idx), steps_per_epoch)
+        lab_chunks = np.array_split(rand.numpy.permutation(lab_idx), plan.steps_per_epoch)
+        unl_chunks = np.array_split(rand.numpy.permutation(unl_idx), plan.steps_per_epoch)
         sums = np.zeros(5)
         n_done = 0
         for lc, uc in zip(lab_chunks, unl_chunks, strict=True):
@@ -232,18 +286,17 @@ def _train(
             y = y_all[idx]  # (B,)
             ya = y_anchor[idx] if anchored else None
             pf = pair_feats[idx] if pair_feats is not None else None
-            parts = _losses(net, x, y, margin, full, config, pair_gen, prior, pf, ya)
+            parts = _losses(net, x, y, margin, full, config, rand.pairs, prior, pf, ya)
             loss = parts[0]
             if not torch.isfinite(loss):
                 msg = (
-                    f"The training loss became {float(loss.detach())} at epoch {epoch + 1}; lower the learning "
-                    "rate (lr=...) or check the input for extreme values."
+                    f"The training loss became {float(loss.detach())} at epoch {epoch + 1}; "
+                    "lower the learning rate (lr=...) or check the input for extreme values."
                 )
                 raise TrainingDivergedError(msg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            n_steps += 1
             n_done += 1
             sums += np.array([float(p.detach()) for p in parts])
         nb = max(1, n_done)
@@ -258,13 +311,13 @@ def _train(
             "margin": margin,
             "warmup": not full,
             "anchored": anchored,
+            "steps": n_done,
             "seconds": time.perf_counter() - t_epoch,
         }
         history.append(rec)
         bar.set_postfix(loss=f"{rec['loss']:.3f}", u=f"{u:.3f}", refresh=False)
     bar.close()
-    net.eval()
-    return TrainResult(net, history, n_epochs, n_steps, 0.0, str(device), novel_info)
+    return history
 
 
 def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anchor=None):

@@ -440,7 +440,8 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
           --n-novel 3 --save-model model.pt --truth-key true_type --report report.json
     """
     from ._config import OrcaConfig
-    from .tl import annotate as tl_annotate
+    from ._pipeline import fit
+    from .tl._annotate import write_annotation
 
     with _errors(ctx), _cli_logging(quiet):
         n_novel_v = _parse_n_novel(n_novel)
@@ -472,7 +473,8 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
         ref = _read_h5ad(reference, "Reference")
         adata = _read_h5ad(query, "Query")
         _check_obs_key(adata, truth_key, "query", "--truth-key")
-        model = tl_annotate(adata, ref, labels_key=labels_key, config=cfg, return_model=True)
+        model, result = fit(adata, ref, labels_key, cfg)
+        write_annotation(adata, "orca", model, result)
         if model_path is not None:
             outputs.add(model_path, model.save)
         summary, metrics = _save_results(
@@ -668,10 +670,18 @@ def _csv_list(value: str | None, cast=str) -> list | None:
     help="Seeds for the ablations and over-provisioned heads (each run costs as much as ORCA).",
 )
 @click.option(
-    "--scaling/--no-scaling",
-    default=True,
+    "--suite",
+    type=click.Choice(["builtin", "dev"]),
+    default="builtin",
     show_default=True,
-    help="Also measure time and memory vs cells.",
+    help="builtin: the shared real tasks; dev: the development suite (real tasks both ways, "
+    "the protocol, and a simulator sweep over query size, labels, novel types, batch strength "
+    "and imbalance), reported in suite.md.",
+)
+@click.option(
+    "--scaling/--no-scaling",
+    default=None,
+    help="Also measure time and memory vs cells (default: with --suite builtin).",
 )
 @click.option(
     "--scaling-sizes",
@@ -687,13 +697,14 @@ def _csv_list(value: str | None, cast=str) -> list | None:
 @_add(_output_opts)
 @click.pass_context
 def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, reference_batches,
-              seen_fraction, labeled_fraction, seen_classes, novel_classes, methods, seeds, ablation_seeds, scaling,
-              scaling_sizes, quick, overwrite, quiet):  # fmt: skip
+              seen_fraction, labeled_fraction, seen_classes, novel_classes, methods, seeds, ablation_seeds, suite,
+              scaling, scaling_sizes, quick, overwrite, quiet):  # fmt: skip
     """Compare ORCA, its ablations and baselines on open-world tasks; write a report.
 
     Built-in tasks: the paper's protocol on scanpy's pbmc68k_reduced, plus the shared real
     datasets found in --data-dir (Tabula Muris kidney -> marrow, pancreas mouse 1 -> mouse 2,
-    PBMC Drop-seq -> inDrops, and the protocol on MCA bladder and worm neurons). With --h5ad,
+    PBMC Drop-seq -> inDrops, and the protocol on MCA bladder and worm neurons). --suite dev
+    adds these tasks the other way round and a simulator sweep (see suite.md). With --h5ad,
     one task from your own data: the protocol split, or a cross-batch split with --batch-key and
     --reference-batches. Writes OUTDIR/report.md, runs.csv, summary.csv, bars.png and, with
     scaling, scaling.csv and scaling.png.
@@ -726,7 +737,10 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
             raise CliError(f"Cannot write into {str(parent)!r}; choose another --outdir.")
         if data_dir is not None and not Path(data_dir).is_dir():
             raise CliError(f"--data-dir {data_dir!r} is not a directory.")
-        method_list = list(methods) or (B.QUICK_METHODS if quick else B.DEFAULT_METHODS)
+        default_methods = B.SUITE_METHODS if suite == "dev" else B.DEFAULT_METHODS
+        method_list = list(methods) or (B.QUICK_METHODS if quick else default_methods)
+        if scaling is None:
+            scaling = suite == "builtin"
         unknown = sorted(set(method_list) - set(B.METHODS))
         if unknown:
             raise CliError(f"unknown --method {unknown}; available: {', '.join(B.METHODS)}.")
@@ -767,9 +781,13 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
 
                 specs = [B.TaskSpec(f"{name}_protocol", "protocol", make, h5ad)]
         else:
-            specs = B.builtin_tasks(None if quick else data_dir)
+            if suite == "dev":
+                specs = B.dev_suite(data_dir, large=not quick)
+            else:
+                specs = B.builtin_tasks(None if quick else data_dir)
             if quick:
-                specs = [s for s in specs if s.name == "pbmc68k_protocol"]
+                keep = ("pbmc68k_protocol", "sim_query150", "sim_speed_1k_1k")
+                specs = [s for s in specs if s.name in keep]
             if tasks:
                 missing = sorted(set(tasks) - {s.name for s in specs})
                 if missing:
@@ -789,13 +807,16 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
         try:
             paths = B.write_report(result, tmp)
+            if suite == "dev":
+                paths["suite"] = tmp / "suite.md"
+                paths["suite"].write_text(B.suite_markdown(result.runs, result.settings))
             out.mkdir(exist_ok=True)
             for p in paths.values():
                 os.replace(p, out / p.name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    click.echo((out / "report.md").read_text())
+    click.echo((out / ("suite.md" if suite == "dev" else "report.md")).read_text())
     click.echo(f"Wrote {out}/: " + ", ".join(sorted(p.name for p in paths.values())))
 
 

@@ -5,6 +5,7 @@ Shapes in comments: ``B`` cells in the mini-batch, ``G`` genes, ``D`` embedding 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -46,17 +47,16 @@ class NormedLinear(nn.Module):
     than those of novel heads, so the margin is meaningful (paper §3.2).
     """
 
-    def __init__(self, n_in: int, n_out: int, scale: float = HEAD_SCALE) -> None:
+    def __init__(
+        self, n_in: int, n_out: int, scale: float = HEAD_SCALE, weight: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.scale = scale
-        self.weight = nn.Parameter(torch.empty(n_out, n_in))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-
-    @torch.no_grad()
-    def add_heads(self, weights: torch.Tensor) -> None:
-        """Append heads with the given initial weights ``(n_new, D)``."""
-        new = torch.cat([self.weight.data, weights.to(self.weight)], dim=0)
-        self.weight = nn.Parameter(new)
+        if weight is None:
+            self.weight = nn.Parameter(torch.empty(n_out, n_in))
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        else:  # given initial weights (n_out, n_in): no random draw
+            self.weight = nn.Parameter(weight.detach().clone().reshape(n_out, n_in))
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, K)
         return self.scale * F.normalize(z, dim=1) @ F.normalize(self.weight, dim=1).T
@@ -75,6 +75,20 @@ class OrcaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.backbone(x)  # (B, D)
         return self.head(z), z  # (B, K) logits, (B, D) features
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.head.weight.shape[0])
+
+    def with_novel_heads(self, prototypes: torch.Tensor) -> OrcaNet:
+        """A new net: a copy of this one with heads appended, initialised at ``prototypes``
+        ``(n_new, D)`` (this net is left as it is; no random draw).
+        """
+        net = copy.deepcopy(self)
+        w = self.head.weight.detach()
+        new = torch.cat([w, prototypes.to(w)], dim=0)  # (K + n_new, D)
+        net.head = NormedLinear(w.shape[1], new.shape[0], self.head.scale, weight=new)
+        return net
 
 
 # --------------------------------------------------------------------------------------------

@@ -71,9 +71,9 @@ def test_same_seed_same_labels_and_copy(small_sim):
 
 
 def test_save_load_predict_round_trip(small_sim, tmp_path):
-    model = orca_sc.tl.annotate(small_sim, labels_key="lab", return_model=True, **FAST)
     path = tmp_path / "model.pt"
-    model.save(path)
+    orca_sc.tl.annotate(small_sim, labels_key="lab", save_model=path, **FAST)
+    model = OrcaModel.load(path)
     payload = torch.load(path, weights_only=True)  # no code in the file
     assert payload["meta"]["genes"] == model.genes
     loaded = OrcaModel.load(path)
@@ -106,7 +106,7 @@ def test_load_refuses_foreign_or_corrupt_files(tmp_path):
 
 
 def test_predict_rejects_too_few_genes(small_sim, tmp_path):
-    model = orca_sc.tl.annotate(small_sim, labels_key="lab", return_model=True, **FAST)
+    model = OrcaModel.fit(small_sim, labels_key="lab", **FAST)
     few = small_sim[:, :100].copy()
     with pytest.raises(OrcaInputError, match="Only 100 of the model's 300 genes"):
         model.predict(few)
@@ -298,7 +298,7 @@ def test_hidden_novel_cells_absorbed_by_seen_heads_are_found(small_sim, monkeypa
     these cells first (they have no labelled neighbours), so they are switched off here; the
     hidden-type test is for novel cells mixed among known ones.
     """
-    import orca_sc.tl._annotate as ann
+    import orca_sc._discover as ann
 
     truth = small_sim.obs["cell_type"].astype(str).to_numpy()
     calls = record_returns(monkeypatch, ann, "hidden_novel_clusters")
@@ -321,7 +321,7 @@ def test_label_deserts_are_novel_cells_and_become_candidates(small_sim, monkeypa
     """Cells without labelled neighbours in the (randomly labelled) data are cells of the novel
     types, and the candidates that start the novel heads include them.
     """
-    import orca_sc.tl._annotate as ann
+    import orca_sc._discover as ann
 
     truth = small_sim.obs["cell_type"].astype(str).to_numpy()
     calls = record_returns(monkeypatch, ann, "label_deserts")
@@ -356,8 +356,8 @@ def test_reference_and_query_in_one_batch_warns_and_takes_no_deserts():
 
 def test_tl_predict_and_similarity_of_novel_clusters(small_sim, tmp_path):
     """tl.predict writes the annotate fields; a batch column aligns each batch separately."""
-    model = orca_sc.tl.annotate(small_sim, labels_key="lab", return_model=True, **FAST)
-    model.save(tmp_path / "m.pt")
+    orca_sc.tl.annotate(small_sim, labels_key="lab", save_model=tmp_path / "m.pt", **FAST)
+    model = OrcaModel.load(tmp_path / "m.pt")
     out = orca_sc.tl.predict(small_sim, str(tmp_path / "m.pt"), key_added="pred", copy=True)
     assert "pred_label" not in small_sim.obs
     assert (out.obs["pred_label"] == small_sim.obs["orca_label"]).all()
@@ -440,10 +440,11 @@ def test_anchoring_separates_novel_types_the_warm_up_embedding_merges():
     assert acc[0] < 0.6
 
 
-def test_known_type_rare_in_reference_is_not_reported_as_novel():
+def test_known_type_rare_in_reference_is_not_reported_as_novel(tmp_path):
     """Reference with 15 type_3 cells, query with 200: without the cross-batch marker match,
     199 of them form a novel cluster (measured); with it they are type_3, and the truly novel
-    type_5 keeps its own cluster.
+    type_5 keeps its own cluster. A run that merged a cluster writes to h5ad and reads back
+    every field equal (a list of dicts in ``uns`` once made ``write_h5ad`` fail).
     """
     ref, query = rare_in_reference()
     truth = query.obs["cell_type"].astype(str).to_numpy()
@@ -459,8 +460,29 @@ def test_known_type_rare_in_reference_is_not_reported_as_novel():
     assert (novel5 == "novel_1").mean() > 0.95
     assert q.obs["orca_novel"].cat.categories.tolist() == ["novel_1"]
     merged = q.uns["orca"]["merged_into_known"]
-    assert [m["type"] for m in merged] == ["type_3"] and merged[0]["correlation"] >= 0.7
+    assert merged["type"] == ["type_3"] and merged["correlation"][0] >= 0.7
+    assert merged["n_cells"][0] > 150
     assert q.obs["orca_novel"].isna().to_numpy()[truth == "type_3"].all()
+    q.write_h5ad(tmp_path / "merged.h5ad")
+    back = ad.read_h5ad(tmp_path / "merged.h5ad")
+    assert_uns_equal(back.uns["orca"], q.uns["orca"])
+    for col in ("orca_label", "orca_novel", "orca_confidence", "orca_novelty"):
+        pd.testing.assert_series_equal(back.obs[col], q.obs[col], check_index_type=False)
+    np.testing.assert_array_equal(back.obsm["X_orca"], q.obsm["X_orca"])
     # the failure this fixes
     off = out[None].obs["orca_label"].astype(str).to_numpy()
     assert (off[truth == "type_3"] == "type_3").mean() < 0.5
+
+
+def assert_uns_equal(got, want, path="uns"):
+    """``got`` (read back from h5ad) equals ``want`` (written): same keys, equal values (lists
+    and arrays compared as arrays).
+    """
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), path
+        for k in want:
+            assert_uns_equal(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, (list, tuple, np.ndarray)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
+    else:
+        assert got == want or (np.isnan(got) and np.isnan(want)), path

@@ -153,3 +153,43 @@ def test_celltypist_baseline_is_seeded(sim):
     t = B.batch_split(sim, "cell_type", "batch", ["batch_0"], novel_classes=["type_4", "type_5"])
     run = B.METHODS["CellTypist + Leiden"].run
     np.testing.assert_array_equal(run(t, 0), run(t, 0))
+
+
+def test_sim_tasks_of_the_development_suite():
+    """Each sweep point builds the task it says: query size, novel types hidden from the
+    reference, labelled fraction in the protocol design, every seen type in the reference.
+    """
+    settings = {s.name: s for s in B.sim_settings(large=False)}
+    assert {"query150", "novel0", "novel20", "protocol_lab0.05", "speed_1k_1k"} <= set(settings)
+    t = B.make_sim_task(settings["query150"], seed=0)
+    assert 120 < t.query.n_obs < 180 and not t.single and len(t.novel) == 4
+    assert set(t.reference.obs["cell_type"].astype(str)) == set(t.seen)
+    assert set(t.novel) <= set(t.truth) and not set(t.novel) & set(t.seen)
+    closed = B.make_sim_task(settings["novel0"], seed=1)
+    assert closed.novel == [] and set(closed.truth) <= set(closed.seen)
+    few = B.make_sim_task(settings["protocol_lab0.05"], seed=0)
+    n_seen_cells = few.reference.n_obs + np.isin(few.truth, few.seen).sum()
+    assert few.single and 0.03 < few.reference.n_obs / n_seen_cells < 0.07
+    # seeds draw other data
+    a0 = B.make_sim_task(settings["query150"], seed=0).query.X
+    a1 = B.make_sim_task(settings["query150"], seed=1).query.X
+    assert a0.shape != a1.shape or (a0 != a1).nnz > 0
+
+
+def test_dev_suite_cli_reports_novel_calls_and_estimates(tmp_path):
+    out = tmp_path / "dev"
+    r = CliRunner().invoke(
+        main,
+        ["benchmark", "--suite", "dev", "--quick", "--task", "sim_query150", "--method", "ORCA",
+         "--method", "LR + oracle reject + KMeans", "--outdir", str(out), "-q"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert (out / "suite.md").is_file() and not (out / "scaling.csv").exists()
+    runs = pd.read_csv(out / "runs.csv").set_index("method")
+    for col in ("novel_called", "known_called_novel"):
+        assert runs[col].between(0, 1).all()
+    assert runs.loc["ORCA", "novel_est"] >= 0
+    assert np.isnan(runs.loc["LR + oracle reject + KMeans", "novel_est"])
+    md = (out / "suite.md").read_text()
+    assert "| sim_query150 | ORCA |" in md and "known->novel" in md
+    assert "## Number of novel types (ORCA, every run)" in md and md in r.stdout

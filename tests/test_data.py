@@ -203,7 +203,7 @@ def test_empty_query_is_an_error():
 
 
 def test_leiden_on_more_than_4096_cells_finds_blobs():
-    from orca_sc._estimate import leiden
+    from orca_sc._discover import leiden
 
     rng = np.random.default_rng(0)
     centers = rng.normal(0, 10, (4, 10))
@@ -241,7 +241,7 @@ def _hidden_fixture(seed=0):
 
 
 def test_hidden_novel_clusters_finds_a_type_absorbed_by_a_seen_head():
-    from orca_sc._estimate import hidden_novel_clusters
+    from orca_sc._discover import hidden_novel_clusters
 
     emb, truth, labels, head, same_batch = _hidden_fixture()
     groups = hidden_novel_clusters(
@@ -265,7 +265,7 @@ def test_label_deserts_are_the_cells_of_the_type_nobody_labelled():
     it; unlabelled A and B cells sit among labelled ones; the query batch (no labels) is not
     tested, so its A cells are not deserts although none of their neighbours is labelled.
     """
-    from orca_sc._estimate import label_deserts, labelled_neighbours
+    from orca_sc._discover import label_deserts, labelled_neighbours
 
     emb, truth, labels, _, same_batch = _hidden_fixture()
     domain = np.where(same_batch, 0, 1)
@@ -287,7 +287,10 @@ def test_calibrate_resolution_follows_the_granularity_of_the_labels():
     naming the groups calibrate a coarser resolution than labels naming the sub-types; one
     class cannot be calibrated.
     """
-    from orca_sc._estimate import FALLBACK_RESOLUTION, RESOLUTION_GRID, calibrate_resolution
+    from orca_sc import DiscoveryConfig
+    from orca_sc._discover import calibrate_resolution
+
+    defaults = DiscoveryConfig()
 
     rng = np.random.default_rng(0)
     centers = rng.normal(0, 30, (4, 10))
@@ -302,24 +305,27 @@ def test_calibrate_resolution_follows_the_granularity_of_the_labels():
     r_fine, s_fine = calibrate_resolution(fine, lambda idx: emb[idx])
     r_coarse, s_coarse = calibrate_resolution(coarse, lambda idx: emb[idx])
     assert r_coarse < r_fine
-    assert len(s_fine) == len(RESOLUTION_GRID) and max(s_coarse) > 0.95 and max(s_fine) > 0.5
+    assert (
+        len(s_fine) == len(defaults.resolution_grid) and max(s_coarse) > 0.95 and max(s_fine) > 0.5
+    )
     # unlabelled cells (-1) are ignored; a single labelled class falls back
     one = np.where(fine == 0, 0, -1)
-    assert calibrate_resolution(one, lambda idx: emb[idx]) == (FALLBACK_RESOLUTION, [])
+    assert calibrate_resolution(one, lambda idx: emb[idx]) == (defaults.fallback_resolution, [])
     part = np.where(rng.random(fine.size) < 0.5, coarse, -1)
     assert calibrate_resolution(part, lambda idx: emb[idx])[0] < r_fine
-    # OrcaConfig.resolution: a number is used as given, "auto" is calibrated, or falls back
+    # DiscoveryConfig.resolution: a number is used as given, "auto" is calibrated, or falls back
     # when there is nothing to calibrate against
-    from orca_sc._estimate import resolve_resolution
+    from orca_sc._discover import resolve_resolution
 
-    assert resolve_resolution(2, fine, lambda idx: emb[idx]) == (2.0, [])
-    assert resolve_resolution("auto", fine, lambda idx: emb[idx]) == (r_fine, s_fine)
-    auto_off = resolve_resolution("auto", fine, lambda idx: emb[idx], calibrate=False)
-    assert auto_off == (FALLBACK_RESOLUTION, [])
+    two = DiscoveryConfig(resolution=2)
+    assert resolve_resolution(fine, lambda idx: emb[idx], cfg=two) == (2.0, [])
+    assert resolve_resolution(fine, lambda idx: emb[idx]) == (r_fine, s_fine)
+    auto_off = resolve_resolution(fine, lambda idx: emb[idx], calibrate=False)
+    assert auto_off == (defaults.fallback_resolution, [])
 
 
 def test_hidden_novel_clusters_leaves_randomly_labelled_substructure_alone():
-    from orca_sc._estimate import hidden_novel_clusters
+    from orca_sc._discover import hidden_novel_clusters
 
     emb, truth, labels, head, same_batch = _hidden_fixture()
     # label H's cells at the same rate as A's: then H is a sub-type of A, not a hidden novel type
@@ -331,7 +337,7 @@ def test_hidden_novel_clusters_leaves_randomly_labelled_substructure_alone():
 
 
 def test_labelled_support_keeps_poorly_scored_known_cells_out_of_novel_candidates():
-    from orca_sc._estimate import labelled_neighbours, labelled_support
+    from orca_sc._discover import labelled_neighbours, labelled_support
 
     emb, truth, labels, _, same_batch = _hidden_fixture()
     domain = np.where(same_batch, 0, 1)
@@ -349,7 +355,7 @@ def test_labelled_support_keeps_poorly_scored_known_cells_out_of_novel_candidate
 
 
 def test_cluster_cores_keeps_coherent_clusters_and_drops_mixed_ones():
-    from orca_sc._estimate import cluster_cores
+    from orca_sc._discover import cluster_cores
 
     rng = np.random.default_rng(0)
     # four well-separated groups of 100 cells in 5-d space
@@ -374,7 +380,7 @@ def test_cluster_cores_keeps_coherent_clusters_and_drops_mixed_ones():
 
 
 def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():
-    from orca_sc._align import match_known_types
+    from orca_sc._discover import match_known_types
 
     ref, query = rare_in_reference()
     X = sp.vstack([ref.X, query.X]).tocsr()
@@ -424,8 +430,55 @@ def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():
     ],
 )
 def test_every_config_field_is_validated(field, value):
+    """Discovery fields are validated by DiscoveryConfig, also when given to OrcaConfig.replace
+    (as ``annotate`` does with keywords).
+    """
     with pytest.raises(ValueError, match=f"Invalid {field}="):
-        OrcaConfig(**{field: value})
+        OrcaConfig().replace(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("ood_quantile", 1.5),
+        ("resolution_grid", ()),
+        ("resolution_grid", (0.5, -1)),
+        ("fallback_resolution", 0),
+        ("calibration_cells", 0),
+        ("min_cluster_cells", 0),
+        ("min_cluster_fraction", -0.1),
+        ("n_neighbors", 1),
+        ("n_pcs", 1),
+        ("max_cells", 0),
+        ("support_fraction", 2.0),
+        ("support_min", -1),
+        ("desert_alpha", float("nan")),
+        ("segregated_support", -1),
+        ("hidden_alpha", 2),
+        ("hidden_max_rel_fraction", "x"),
+        ("query_resolution", 0),
+        ("query_min_fraction", 1.1),
+        ("query_min_enrichment", -2),
+        ("core_min_agree", 1.2),
+        ("core_min_fraction", -0.2),
+        ("no_warmup_rel_threshold", 3),
+    ],
+)
+def test_every_discovery_field_is_validated(field, value):
+    with pytest.raises(ValueError, match=f"Invalid {field}="):
+        orca_sc.DiscoveryConfig(**{field: value})
+
+
+def test_discovery_config_round_trips_and_reads_old_model_configs():
+    cfg = OrcaConfig(n_genes=50).replace(merge_threshold=None, resolution=0.3)
+    assert OrcaConfig.from_dict(cfg.to_dict()) == cfg
+    # models saved before 0.2 kept three discovery options at the top level
+    old = {**OrcaConfig().to_dict(), "resolution": 0.3, "hidden_novel": False}
+    del old["discovery"]
+    got = OrcaConfig.from_dict(old)
+    assert got.discovery.resolution == 0.3 and got.discovery.hidden_novel is False
+    with pytest.raises(ValueError, match="Unknown configuration keys"):
+        orca_sc.DiscoveryConfig.from_dict({"bogus": 1})
 
 
 def test_loading_a_missing_model_file(tmp_path):
@@ -434,7 +487,7 @@ def test_loading_a_missing_model_file(tmp_path):
 
 
 def test_query_ood_clusters_votes_per_cluster():
-    from orca_sc._estimate import query_ood_clusters
+    from orca_sc._discover import query_ood_clusters
 
     rng = np.random.default_rng(0)
     # one query batch of four well-separated groups; out-of-distribution calls are noisy:

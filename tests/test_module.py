@@ -72,12 +72,21 @@ def test_normed_head_bounded_by_scale():
     assert math.isclose(float(head(w)[0, 2].detach()), HEAD_SCALE, rel_tol=1e-5)
 
 
-def test_add_heads_keeps_old_weights():
-    head = NormedLinear(8, 3)
-    old = head.weight.detach().clone()
-    head.add_heads(torch.ones(2, 8))
-    assert head.weight.shape == (5, 8)
-    assert torch.equal(head.weight[:3].detach(), old)
+def test_with_novel_heads_returns_a_new_net_and_keeps_old_weights():
+    torch.manual_seed(0)
+    net = OrcaNet(20, 3, (16, 8), 0.1)
+    old = net.head.weight.detach().clone()
+    state = torch.random.get_rng_state()
+    new = net.with_novel_heads(torch.ones(2, 8))
+    assert torch.equal(torch.random.get_rng_state(), state)  # no random draw
+    assert new is not net and net.n_heads == 3 and new.n_heads == 5  # the old net is untouched
+    assert torch.equal(new.head.weight[:3].detach(), old)
+    assert torch.equal(new.head.weight[3:].detach(), torch.ones(2, 8))
+    x = torch.randn(4, 20)
+    net.eval(), new.eval()
+    # same backbone (a copy): same embedding; the seen heads' logits are unchanged
+    assert torch.allclose(net(x)[0], new(x)[0][:, :3])
+    assert new.backbone.net[0].weight.data_ptr() != net.backbone.net[0].weight.data_ptr()
 
 
 def test_select_pairs_labelled_same_class_and_unlabelled_nearest():

@@ -110,8 +110,9 @@ print(f"reference: {ref.n_obs} labelled cells; query: {query.n_obs} cells, {quer
 # estimates the number of novel types itself (`n_novel="auto"`).
 
 # %%
-model = orca_sc.tl.annotate(
-    query, ref, labels_key=LABELS, n_genes=None, seed=SEED, progress=False, return_model=True
+model_path = Path("tabula_muris_orca_model.pt")
+orca_sc.tl.annotate(
+    query, ref, labels_key=LABELS, n_genes=None, seed=SEED, progress=False, save_model=model_path
 )
 print(query.obs["orca_label"].value_counts().to_string())
 print("novel types estimated:", query.uns["orca"]["n_novel"])
@@ -181,8 +182,6 @@ plt.show()
 # here: the saved model labels them in one call.
 
 # %%
-model_path = Path("tabula_muris_orca_model.pt")
-model.save(model_path)
 held_out = adata[
     adata.obs[TISSUE].isin(task["reference_tissues"])
     & adata.obs[LABELS].astype(str).isin(task["seen_classes"])

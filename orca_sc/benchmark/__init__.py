@@ -6,6 +6,7 @@ from ._methods import (
     DEFAULT_METHODS,
     METHODS,
     QUICK_METHODS,
+    SUITE_METHODS,
     Method,
     MethodUnavailable,
     annotate_task,
@@ -20,21 +21,39 @@ from ._scaling import (
     simulated_open_world,
 )
 from ._splits import Task, batch_split, protocol_split
-from ._tasks import TaskSpec, builtin_tasks
+from ._suite import (
+    SimSetting,
+    dev_suite,
+    estimate_accuracy,
+    make_sim_task,
+    sim_settings,
+    suite_markdown,
+    suite_table,
+)
+from ._tasks import TaskSpec, builtin_tasks, reversed_tasks
 
 __all__ = [
     "DEFAULT_METHODS",
     "METHODS",
     "QUICK_METHODS",
+    "SUITE_METHODS",
     "BenchmarkResult",
     "Method",
     "MethodUnavailable",
     "PeakMemory",
+    "SimSetting",
     "Task",
     "TaskSpec",
     "annotate_task",
     "batch_split",
     "builtin_tasks",
+    "dev_suite",
+    "estimate_accuracy",
+    "make_sim_task",
+    "reversed_tasks",
+    "sim_settings",
+    "suite_markdown",
+    "suite_table",
     "epoch_speed",
     "flops_per_cell_epoch",
     "markdown",

@@ -64,7 +64,8 @@ def _orca(task: Task, seed: int, heads_factor: int | None = None, **config) -> n
     if heads_factor is not None:
         config["n_novel"] = max(1, heads_factor * len(task.novel))
     adata, rows = annotate_task(task, seed, **config)
-    return adata.obs["orca_label"].astype(str).to_numpy()[rows]
+    est = adata.uns["orca"]["n_novel"]["estimated"]
+    return adata.obs["orca_label"].astype(str).to_numpy()[rows], {"novel_est": est}
 
 
 # ------------------------------------------------------------------------------------- baselines
@@ -118,7 +119,7 @@ def _pca(X_fit, X_apply: list, n_comps: int, seed: int) -> list[np.ndarray]:
 
 
 def _leiden(emb: np.ndarray, seed: int, resolution: float = 1.0) -> np.ndarray:
-    from .._estimate import leiden
+    from .._discover import leiden
 
     return leiden(emb, resolution, seed)
 
@@ -295,3 +296,10 @@ METHODS: dict[str, Method] = {
 
 DEFAULT_METHODS = list(METHODS)
 QUICK_METHODS = ["ORCA", "LR + oracle reject + KMeans", "Leiden on query (NCD stand-in)"]
+#: the development suite compares ORCA with the peers that name known types
+SUITE_METHODS = [
+    "ORCA",
+    "LR + oracle reject + KMeans",
+    "kNN transfer (ingest-like) + Leiden",
+    "CellTypist + Leiden",
+]

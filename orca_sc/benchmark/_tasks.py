@@ -78,6 +78,49 @@ _FILE_TASKS = [
 ]  # fmt: skip
 
 
+def _tm_reverse(path: Path, seed: int) -> Task:
+    a = _read(path)
+    a = a[a.obs["cell_type"] != "unannotated"].copy()
+    return batch_split(a, "cell_type", "tissue", ["Marrow"], seed=seed, name="tm_marrow_to_kidney")
+
+
+def _baron_reverse(path: Path, seed: int) -> Task:
+    return batch_split(
+        _read(path), "cell_type", "batch", ["mouse2"], novel_classes=BARON_HIDDEN, seed=seed,
+        name="baron_mouse2_to_mouse1",
+    )  # fmt: skip
+
+
+def _pbmc_tech_reverse(path: Path, seed: int) -> Task:
+    return batch_split(
+        _read(path), "cell_type", "batch", ["inDrops"], novel_classes=["B cell"], seed=seed,
+        name="pbmc_indrops_to_dropseq",
+    )  # fmt: skip
+
+
+#: the cross-batch tasks the other way round (development suite)
+_REVERSED = [
+    ("tm_facs_scfind.h5ad", "tm_marrow_to_kidney", _tm_reverse,
+     "Tabula Muris FACS: marrow reference (macrophage, B lineage), kidney query"),
+    ("baron_mouse.h5ad", "baron_mouse2_to_mouse1", _baron_reverse,
+     f"pancreas, mouse 2 reference without {', '.join(BARON_HIDDEN)}; mouse 1 query"),
+    ("scannotate_pbmc.h5ad", "pbmc_indrops_to_dropseq", _pbmc_tech_reverse,
+     "PBMC cross-technology: inDrops reference without B cells; Drop-seq query"),
+]  # fmt: skip
+
+
+def reversed_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
+    """The cross-batch tasks of :func:`builtin_tasks` with reference and query swapped."""
+    if data_dir is None:
+        return []
+    d = Path(data_dir)
+    return [
+        TaskSpec(name, "cross-batch", partial(build, d / file), description)
+        for file, name, build, description in _REVERSED
+        if (d / file).is_file()
+    ]
+
+
 def builtin_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
     """pbmc68k_reduced (ships with scanpy) plus every task whose file is in ``data_dir``."""
     d = Path(data_dir) if data_dir is not None else None

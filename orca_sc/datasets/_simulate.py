@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
@@ -22,6 +24,7 @@ def simulate(
     library_size: float = 3000.0,
     library_sd: float = 0.4,
     dispersion: float = 5.0,
+    batch_weights: Sequence[float] | None = None,
     seed: int = 0,
 ):
     """Simulate a UMI count matrix of ``n_types`` cell types with negative-binomial noise.
@@ -32,6 +35,7 @@ def simulate(
       around ``marker_fold`` (and down-regulates a few);
     * type proportions fall geometrically: the largest type is ``imbalance`` times the smallest;
     * every batch multiplies each gene by ``exp(N(0, batch_strength))`` and shifts library sizes;
+      cells fall into batches evenly, or with probabilities ``batch_weights``;
     * library sizes are log-normal around ``library_size``;
     * counts are Gamma-Poisson (negative binomial) with inverse dispersion ``dispersion``.
 
@@ -58,7 +62,14 @@ def simulate(
     props = weights / weights.sum()
     types = np.repeat(np.arange(n_types), rng.multinomial(n_cells - n_types, props) + 1)
     types = rng.permutation(types)
-    batches = rng.integers(0, n_batches, n_cells)
+    if batch_weights is None:
+        batches = rng.integers(0, n_batches, n_cells)
+    else:
+        w = np.asarray(batch_weights, dtype=float)
+        if w.shape != (n_batches,) or (w < 0).any() or w.sum() <= 0:
+            msg = f"batch_weights needs {n_batches} non-negative numbers, got {batch_weights}."
+            raise ValueError(msg)
+        batches = rng.choice(n_batches, n_cells, p=w / w.sum())
     batch_gene = np.exp(rng.normal(0.0, batch_strength, (n_batches, n_genes)))  # (NB, G)
     batch_gene[0] = 1.0 if n_batches == 1 else batch_gene[0]
     batch_lib = np.exp(rng.normal(0.0, batch_strength, n_batches))

@@ -8,7 +8,8 @@ import numpy as np
 
 from .. import __version__
 from .._model import OrcaModel
-from ._annotate import _jsonable, write_fields
+from .._pipeline import _jsonable
+from ._annotate import write_fields
 
 
 def predict(
@@ -64,6 +65,7 @@ def predict(
         key_added,
         labels,
         pred.confidence,
+        model.novelty(pred.embedding),
         pred.embedding,
         classes=model.classes,
         novel_names=novel,

@@ -1,0 +1,908 @@
+"""The ``discover`` stage: candidate novel clusters, the number of novel types, and which novel
+clusters are known types after all. Every rule that decides these lives here, and every knob is
+a field of :class:`orca_sc.DiscoveryConfig`. Arrays in, a frozen :class:`Discovery` out: no
+AnnData, no torch.
+
+After the supervised warm-up, :func:`discover` takes each cell's embedding and cosine to the seen
+heads and finds the candidates:
+
+* :func:`ood_clusters`: unlabelled cells whose best cosine to a seen head is below the
+  ``ood_quantile`` of the labelled cells', plus, in batches labelled at random, cells with
+  improbably few labelled neighbours (:func:`label_deserts`), clustered with Leiden at the
+  resolution that matches the granularity of the labelled types (:func:`calibrate_resolution`);
+* :func:`query_ood_clusters`: in batches without labelled cells (a separate query), clusters of
+  the whole batch, voted by their share of out-of-distribution cells;
+* :func:`hidden_novel_clusters`: sub-clusters of a seen class without their share of labels.
+
+Candidates of at least :func:`min_cluster_size` cells start the novel heads; their number is the
+estimate of ``n_novel``. After training, :func:`match_known_types` reports novel clusters that are
+a known type of another batch as that type. Without a warm-up, :func:`estimate_n_novel` counts
+Leiden clusters of all cells that lack labels.
+
+Leiden runs directly on igraph (exact kNN graph from scikit-learn), on at most
+``DiscoveryConfig.max_cells`` cells.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+
+from ._align import group_domain_means
+from ._config import DiscoveryConfig
+
+_DEFAULTS = DiscoveryConfig()
+_CHUNK = 8192
+
+
+def subsample_rows(n: int, seed: int, max_cells: int = _DEFAULTS.max_cells) -> np.ndarray:
+    """All row indices, or a sorted random subset of ``max_cells`` of them for large data."""
+    rng = np.random.default_rng(seed)
+    return np.arange(n) if n <= max_cells else np.sort(rng.choice(n, max_cells, replace=False))
+
+
+def pca_embedding(
+    X: sp.csr_matrix,
+    domain: np.ndarray,
+    scale: np.ndarray,
+    offset: np.ndarray,
+    n_comps: int = 30,
+    seed: int = 0,
+    rows: np.ndarray | None = None,
+) -> np.ndarray:
+    """PCA of the aligned data: fitted on one chunk (at most 8,192 random cells), applied chunk by
+    chunk, so the full matrix is never densified.
+    """
+    from sklearn.decomposition import PCA
+
+    rows = np.arange(X.shape[0]) if rows is None else rows
+    rng = np.random.default_rng(seed)
+    fit_rows = rows if rows.size <= _CHUNK else rng.choice(rows, _CHUNK, replace=False)
+    n_comps = int(min(n_comps, fit_rows.size - 1, X.shape[1] - 1))
+    pca = PCA(n_components=n_comps, random_state=seed)
+    pca.fit(_dense(X, domain, scale, offset, fit_rows))
+    out = np.empty((rows.size, n_comps), dtype=np.float32)
+    for start in range(0, rows.size, _CHUNK):
+        r = rows[start : start + _CHUNK]
+        out[start : start + r.size] = pca.transform(_dense(X, domain, scale, offset, r))
+    return out
+
+
+def _dense(X, domain, scale, offset, rows) -> np.ndarray:
+    d = domain[rows]
+    return X[rows].toarray() * scale[d] + offset[d]
+
+
+def knn_graph(emb: np.ndarray, n_neighbors: int = _DEFAULTS.n_neighbors) -> sp.csr_matrix:
+    """Symmetric, unweighted kNN graph (exact neighbours, Euclidean) as a CSR adjacency matrix.
+
+    Built with scikit-learn rather than ``sc.pp.neighbors``, whose approximate path (used from
+    4,096 cells on) breaks with recent scipy and spends ~25 s compiling numba code.
+    """
+    from sklearn.neighbors import NearestNeighbors
+
+    n = emb.shape[0]
+    k = min(n_neighbors, n - 1)
+    # kneighbors() without X excludes each point itself
+    idx = NearestNeighbors(n_neighbors=k).fit(emb).kneighbors(return_distance=False)
+    rows = np.repeat(np.arange(n), k)
+    A = sp.csr_matrix((np.ones(rows.size, dtype=np.float32), (rows, idx.ravel())), shape=(n, n))
+    A = A.maximum(A.T).tocsr()
+    return A
+
+
+class _IgraphRandom:
+    """A seeded random source for igraph's Leiden (``igraph.set_random_number_generator``), so
+    that clustering is reproducible without touching Python's global ``random`` state. Draws as
+    scanpy's ``flavor="igraph"`` does (a ``RandomState`` seeded with the seed).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.RandomState(seed)
+
+    def getrandbits(self, k: int) -> int:
+        return self._rng.tomaxint() & ((1 << k) - 1)
+
+    def randint(self, a: int, b: int) -> int:
+        return self._rng.randint(a, b + 1)
+
+    def gauss(self, mu: float, sigma: float) -> float:
+        return self._rng.normal(mu, sigma)
+
+    def random(self) -> float:
+        return self._rng.random_sample()
+
+
+def leiden(
+    emb: np.ndarray,
+    resolution: float = 1.0,
+    seed: int = 0,
+    adjacency: sp.csr_matrix | None = None,
+) -> np.ndarray:
+    """Leiden cluster codes of the rows of ``emb`` (kNN graph, modularity, 2 iterations, seeded).
+
+    Runs igraph's ``community_leiden`` on the graph directly (no AnnData). ``adjacency``: the
+    graph of :func:`knn_graph` when already built (to cluster one set of cells at several
+    resolutions).
+    """
+    import random
+
+    import igraph as ig
+
+    if emb.shape[0] < 3:
+        return np.zeros(emb.shape[0], dtype=np.int64)
+    A = knn_graph(emb) if adjacency is None else adjacency
+    src, dst = A.nonzero()
+    g = ig.Graph(n=A.shape[0], edges=list(zip(src.tolist(), dst.tolist(), strict=True)))
+    g.es["weight"] = np.asarray(A[src, dst]).ravel()
+    ig.set_random_number_generator(_IgraphRandom(seed))
+    try:
+        part = g.community_leiden(
+            objective_function="modularity",
+            weights="weight",
+            resolution=resolution,
+            n_iterations=2,
+        )
+    finally:
+        ig.set_random_number_generator(random)
+    return np.asarray(part.membership, dtype=np.int64)
+
+
+def calibrate_resolution(
+    labels: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    seed: int = 0,
+    cfg: DiscoveryConfig = _DEFAULTS,
+) -> tuple[float, list[float]]:
+    """The Leiden resolution at which clusters match the granularity of the given annotation.
+
+    What counts as one cell type is the annotator's choice: one atlas splits neurons into many
+    types, another keeps broad classes made of distinct sub-populations. The labelled cells show
+    which: they (at most ``cfg.calibration_cells``, at random) are clustered at each resolution
+    of ``cfg.resolution_grid``
+    (Leiden on the PCA of their own expression, ``pca_of(idx)``, one kNN graph) and the
+    resolution whose clusters agree best with their labels (adjusted Rand index; ties go to the
+    coarser) is returned, with the scores. Candidate novel clusters are then cut at the same
+    granularity as the known types. ``labels``: class codes, ``-1`` for unlabelled cells.
+    With fewer than two labelled classes, returns ``cfg.fallback_resolution`` and no scores.
+    """
+    from sklearn.metrics import adjusted_rand_score
+
+    idx = np.flatnonzero(labels >= 0)
+    grid = cfg.resolution_grid
+    if np.unique(labels[idx]).size < 2 or idx.size < 3:
+        return float(cfg.fallback_resolution), []
+    if idx.size > cfg.calibration_cells:
+        rng = np.random.default_rng(seed)
+        idx = np.sort(rng.choice(idx, cfg.calibration_cells, replace=False))
+    emb = pca_of(idx)
+    graph = knn_graph(emb, cfg.n_neighbors)
+    scores = [
+        float(adjusted_rand_score(labels[idx], leiden(emb, r, seed, adjacency=graph))) for r in grid
+    ]
+    return float(grid[int(np.argmax(scores))]), scores
+
+
+def resolve_resolution(
+    labels: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    seed: int = 0,
+    calibrate: bool = True,
+    cfg: DiscoveryConfig = _DEFAULTS,
+) -> tuple[float, list[float]]:
+    """The Leiden resolution to use for ``cfg.resolution``, with its calibration scores: a number
+    is used as given; ``"auto"`` is :func:`calibrate_resolution` on ``labels``, or
+    ``cfg.fallback_resolution`` when ``calibrate`` is False (nothing to calibrate against).
+    """
+    if cfg.resolution != "auto":
+        return float(cfg.resolution), []
+    if not calibrate:
+        return float(cfg.fallback_resolution), []
+    return calibrate_resolution(labels, pca_of, seed=seed, cfg=cfg)
+
+
+def min_cluster_size(n_unlabeled: int, cfg: DiscoveryConfig = _DEFAULTS) -> int:
+    """Smallest candidate novel cluster: ``cfg.min_cluster_cells`` cells or
+    ``cfg.min_cluster_fraction`` of the unlabelled cells.
+    """
+    return max(cfg.min_cluster_cells, int(np.ceil(cfg.min_cluster_fraction * n_unlabeled)))
+
+
+def labelled_neighbours(
+    labeled: np.ndarray,
+    domain: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Labelled fraction of every cell's ``n_neighbors`` nearest neighbours (itself excluded),
+    found within each batch that has labelled cells, in the PCA of that batch's cells
+    (``pca_of(idx)``). Returns ``(fraction, tested)``; cells of batches without labels are not
+    tested (fraction 0).
+    """
+    from sklearn.neighbors import NearestNeighbors
+
+    frac = np.zeros(labeled.shape[0])
+    tested = np.zeros(labeled.shape[0], dtype=bool)
+    for d in np.unique(domain[labeled]):  # loop over batches, not cells
+        idx = np.flatnonzero(domain == d)
+        if idx.size <= n_neighbors:
+            continue
+        nn = NearestNeighbors(n_neighbors=n_neighbors).fit(pca_of(idx))
+        frac[idx] = labeled[idx][nn.kneighbors(return_distance=False)].mean(axis=1)
+        tested[idx] = True
+    return frac, tested
+
+
+def cluster_cores(
+    assign: np.ndarray,
+    feats: np.ndarray,
+    *,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+    min_agree: float = _DEFAULTS.core_min_agree,
+    min_core: float = _DEFAULTS.core_min_fraction,
+) -> np.ndarray:
+    """Cells at the core of a coherent candidate cluster.
+
+    A cell is at the core of its cluster (``assign >= 0``; ``-1``: no cluster) when at least
+    ``min_agree`` of its ``n_neighbors`` nearest neighbours (itself excluded) among all cells
+    (``feats``, e.g. PCA coordinates) are in the same cluster. A cluster that is a whole novel
+    type is nearly all core; a cluster that swept up poorly scored cells of several known types
+    (their neighbours are mostly cells of their own, non-candidate type) is not coherent: when
+    less than ``min_core`` of its cells are core, none of them is kept. Returns a boolean mask.
+    """
+    from sklearn.neighbors import NearestNeighbors
+
+    core = np.zeros(assign.shape[0], dtype=bool)
+    cand = np.flatnonzero(assign >= 0)
+    if cand.size == 0 or assign.shape[0] <= n_neighbors:
+        return core
+    nn = NearestNeighbors(n_neighbors=n_neighbors + 1).fit(feats)
+    idx = nn.kneighbors(feats[cand], return_distance=False)[:, 1:]  # drop the cell itself
+    agree = (assign[idx] == assign[cand, None]).mean(axis=1)
+    core[cand] = agree >= min_agree
+    n = np.bincount(assign[cand])
+    frac = np.bincount(assign[cand], weights=core[cand]) / np.maximum(n, 1)
+    return core & (assign >= 0) & (frac[np.maximum(assign, 0)] >= min_core)
+
+
+def labelled_support(
+    labeled: np.ndarray,
+    domain: np.ndarray,
+    frac: np.ndarray,
+    tested: np.ndarray,
+    *,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+    min_fraction: float = _DEFAULTS.support_fraction,
+    min_count: int = _DEFAULTS.support_min,
+) -> np.ndarray:
+    """Unlabelled cells that sit among labelled cells, so are not of a novel type.
+
+    In a batch where cells were labelled at random, a cell of a known type has about a fraction
+    ``f`` of labelled cells among its nearest neighbours (``frac``, from
+    :func:`labelled_neighbours`), while a cell of a type nobody labelled has few or none. ``f`` is
+    measured around the batch's labelled cells (their neighbours are cells of their own type). An
+    unlabelled cell with at least ``min_fraction`` of that fraction (and at least ``min_count``
+    labelled neighbours of ``n_neighbors``) is
+    supported by labels: the seen heads may score it poorly (a small class fitted to its few
+    labelled cells) or a wrong seen head may have absorbed it, but it is no novel type. Untested
+    cells (batches without labels) are never supported. Returns a boolean mask.
+    """
+    supported = np.zeros(labeled.shape[0], dtype=bool)
+    for idx, expected in _tested_batches(labeled, domain, frac, tested):
+        floor = max(min_count / n_neighbors, min_fraction * expected)
+        supported[idx] = ~labeled[idx] & (frac[idx] >= floor)
+    return supported
+
+
+def _tested_batches(labeled, domain, frac, tested):
+    """For each batch with tested cells (:func:`labelled_neighbours`): its tested cells and the
+    labelled fraction ``f`` expected around a cell of a known type, measured around its labelled
+    cells.
+    """
+    for d in np.unique(domain[tested]):  # loop over batches, not cells
+        idx = np.flatnonzero((domain == d) & tested)
+        yield idx, frac[idx][labeled[idx]].mean()
+
+
+def label_deserts(
+    labeled: np.ndarray,
+    domain: np.ndarray,
+    frac: np.ndarray,
+    tested: np.ndarray,
+    *,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+    alpha: float = _DEFAULTS.desert_alpha,
+) -> np.ndarray:
+    """Unlabelled cells whose neighbourhood lacks labels: improbably few labelled neighbours.
+
+    The counterpart of :func:`labelled_support`. In a batch where cells were labelled at random,
+    a cell of a known type has about a fraction ``f`` of labelled cells among its
+    ``n_neighbors`` nearest neighbours (``frac``, from :func:`labelled_neighbours`; ``f`` is
+    measured around the batch's labelled cells). A cell with so few that a binomial draw at ``f``
+    gives as few with probability below ``alpha`` (0 or 1 of 15 at ``f`` = 0.4) sits among cells
+    nobody labelled: a type without labels, even when a seen head scores it confidently. Untested
+    cells (batches without labels) are never deserts. Returns a boolean mask.
+    """
+    from scipy.stats import binom
+
+    desert = np.zeros(labeled.shape[0], dtype=bool)
+    for idx, expected in _tested_batches(labeled, domain, frac, tested):
+        count = np.rint(frac[idx] * n_neighbors)
+        desert[idx] = ~labeled[idx] & (binom.cdf(count, n_neighbors, expected) < alpha)
+    return desert
+
+
+def segregated_batches(
+    labeled: np.ndarray,
+    domain: np.ndarray,
+    supported: np.ndarray,
+    tested: np.ndarray,
+    *,
+    min_supported: float = _DEFAULTS.segregated_support,
+) -> list[int]:
+    """Batches whose labelled and unlabelled cells are two populations, not a random draw.
+
+    :func:`labelled_support` and :func:`label_deserts` assume that a batch's labelled cells were
+    drawn from its cells at random, so that unlabelled cells of known types sit among labelled
+    ones. When under ``min_supported`` of a tested batch's unlabelled cells do, the labels were
+    not given at random (typically a reference and a query concatenated into one batch): every
+    unlabelled cell looks like a desert. Returns the codes of those batches.
+    """
+    out = []
+    for d in np.unique(domain[tested]):  # loop over batches, not cells
+        u = tested & (domain == d) & ~labeled
+        if u.any() and supported[u].mean() < min_supported:
+            out.append(int(d))
+    return out
+
+
+def ood_clusters(
+    maxcos: np.ndarray,
+    labeled: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    quantile: float = _DEFAULTS.ood_quantile,
+    resolution: float = 1.0,
+    min_size: int = _DEFAULTS.min_cluster_cells,
+    seed: int = 0,
+    exclude: np.ndarray | None = None,
+    include: np.ndarray | None = None,
+) -> tuple[np.ndarray, list[int], float]:
+    """Candidate novel clusters from the cells the seen heads do not explain.
+
+    An unlabelled cell is out-of-distribution when its highest cosine similarity to a seen-class
+    head is below the ``quantile`` of that similarity over labelled cells; cells in ``include``
+    (e.g. :func:`label_deserts`) are treated as OOD however well they are scored. The OOD cells
+    are clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``); clusters of at
+    least ``min_size`` cells are the candidates; cells in ``exclude`` (e.g.
+    :func:`labelled_support`) never are. Returns ``(assign, sizes, threshold)`` with
+    ``assign[i]`` the candidate index of cell ``i`` (``-1`` outside candidates), largest first.
+    """
+    tau = float(np.quantile(maxcos[labeled], quantile))
+    ood = ~labeled & (maxcos < tau)
+    if include is not None:
+        ood |= include & ~labeled
+    if exclude is not None:
+        ood &= ~exclude
+    ood = np.flatnonzero(ood)
+    assign = np.full(maxcos.shape[0], -1, dtype=np.int64)
+    if ood.size < min_size:
+        return assign, [], tau
+    codes = leiden(pca_of(ood), resolution, seed)
+    counts = np.bincount(codes)
+    keep = [c for c in np.argsort(-counts, kind="stable") if counts[c] >= min_size]
+    for rank, c in enumerate(keep):
+        assign[ood[codes == c]] = rank
+    return assign, [int(counts[c]) for c in keep], tau
+
+
+def hidden_novel_clusters(
+    head: np.ndarray,
+    labels: np.ndarray,
+    same_batch: np.ndarray,
+    n_seen: int,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    min_size: int,
+    resolution: float = 0.5,
+    alpha: float = _DEFAULTS.hidden_alpha,
+    max_rel_fraction: float = _DEFAULTS.hidden_max_rel_fraction,
+    seed: int = 0,
+    class_fraction: np.ndarray | None = None,
+    exclude: np.ndarray | None = None,
+) -> list[np.ndarray]:
+    """Novel types hiding inside seen heads, found from where labelled cells are missing.
+
+    Within a batch where cells were labelled at random (the same distribution as the unlabelled
+    ones), every sub-population of a known type carries its share of labelled cells. For each
+    seen class ``k``, the cells of those batches that belong to it (labelled ``k``, or unlabelled
+    with ``head == k``) are clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``);
+    a sub-cluster of at least ``min_size`` unlabelled cells whose labelled fraction is below
+    ``max_rel_fraction`` times the class's and improbably low under a binomial draw at the
+    class's fraction (one-sided p < ``alpha``) is a novel type the seen head absorbed (e.g. two
+    related epithelial types of which only one is labelled). Cells of batches without labelled
+    cells (a separate query) are not tested: there a missing label says nothing.
+
+    The class's labelled fraction is measured over its members, or given as ``class_fraction``
+    (better: the members include cells the head absorbed, which dilute it; see
+    :func:`labelled_neighbours`). Cells in ``exclude`` (e.g. cells of another known type that
+    the head absorbed, which lack its labels too: :func:`labelled_support`) are left out.
+
+    ``head``: the seen head of each unlabelled cell (ignored for labelled cells). Returns the
+    index arrays (into the given cells) of the unlabelled members of each such sub-cluster.
+    """
+    from scipy.stats import binom
+
+    lab = labels >= 0
+    found: list[np.ndarray] = []
+    for k in range(n_seen):  # loop over classes, not cells
+        members = np.flatnonzero(same_batch & ((lab & (labels == k)) | (~lab & (head == k))))
+        n_lab = int(lab[members].sum())
+        n_unl = members.size - n_lab
+        if n_lab < 2 or n_unl < min_size:
+            continue
+        frac = n_lab / members.size if class_fraction is None else class_fraction[k]
+        codes = leiden(pca_of(members), resolution, seed)
+        for c in np.unique(codes):
+            in_c = members[codes == c]
+            c_lab = int(lab[in_c].sum())
+            c_unl = in_c.size - c_lab
+            if c_unl < min_size or c_lab / in_c.size >= max_rel_fraction * frac:
+                continue
+            if binom.cdf(c_lab, in_c.size, frac) < alpha:
+                cells = in_c[~lab[in_c]]
+                if exclude is not None:
+                    cells = cells[~exclude[cells]]
+                if cells.size >= min_size:
+                    found.append(cells)
+    return found
+
+
+def novel_clusters(
+    emb: np.ndarray,
+    labeled: np.ndarray,
+    *,
+    resolution: float = 1.0,
+    rel_threshold: float = _DEFAULTS.no_warmup_rel_threshold,
+    min_size: int | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """Sizes (unlabelled cells, largest first) of the Leiden clusters of ``emb`` that look like
+    novel types: at least ``min_size`` unlabelled cells and a labelled fraction below
+    ``rel_threshold`` times the overall one.
+    """
+    clusters = leiden(emb, resolution, seed)
+    if min_size is None:
+        min_size = min_cluster_size(int((~labeled).sum()))
+    frac_all = labeled.mean()
+    found = []
+    for c in np.unique(clusters):  # loop over clusters, not cells
+        in_c = clusters == c
+        n_c_unl = int((in_c & ~labeled).sum())
+        if n_c_unl >= min_size and labeled[in_c].mean() < rel_threshold * frac_all:
+            found.append(n_c_unl)
+    return sorted(found, reverse=True)
+
+
+def estimate_n_novel(
+    labels: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    seed: int = 0,
+    cfg: DiscoveryConfig = _DEFAULTS,
+) -> dict:
+    """Estimate the number of novel types without a warm-up: :func:`novel_clusters` of the PCA
+    of all the given cells (``pca_of(idx)``) at the resolution of ``cfg``.
+    """
+    labeled = labels >= 0
+    resolution, _ = resolve_resolution(labels, pca_of, seed=seed, cfg=cfg)
+    sizes = novel_clusters(
+        pca_of(np.arange(labels.size)),
+        labeled,
+        resolution=resolution,
+        rel_threshold=cfg.no_warmup_rel_threshold,
+        min_size=min_cluster_size(int((~labeled).sum()), cfg),
+        seed=seed,
+    )
+    return {"n_novel": len(sizes), "cluster_sizes": sizes, "space": "pca"}
+
+
+def query_ood_clusters(
+    ood: np.ndarray,
+    cells: np.ndarray,
+    domain: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    min_size: int,
+    min_fraction: float = _DEFAULTS.query_min_fraction,
+    min_enrichment: float = _DEFAULTS.query_min_enrichment,
+    resolution: float = _DEFAULTS.query_resolution,
+    seed: int = 0,
+) -> list[np.ndarray]:
+    """Candidate novel clusters of batches without labelled cells, decided per cluster.
+
+    In a query batch, expression shifted by the batch makes some cells of known types score
+    poorly on the seen heads, while the seen heads absorb many cells of a novel type (a classifier
+    of two types scores a third confidently). Cell by cell, out-of-distribution calls (``ood``)
+    are noisy both ways; a cluster of the batch's cells takes a vote. All ``cells`` of each query
+    batch are clustered (Leiden on the PCA of that batch's cells, ``pca_of(idx)``), which keeps
+    types apart better than clustering only the out-of-distribution cells; a cluster of at least
+    ``min_size`` cells is a candidate when at least ``min_fraction`` of its cells are
+    out-of-distribution, or ``min_enrichment`` times the batch's overall fraction. Returns the
+    index arrays of the candidates' cells.
+    """
+    found: list[np.ndarray] = []
+    for d in np.unique(domain[cells]):  # loop over batches, not cells
+        idx = cells[domain[cells] == d]
+        if idx.size < min_size:
+            continue
+        codes = leiden(pca_of(idx), resolution, seed)
+        overall = ood[idx].mean()
+        for c in np.unique(codes):
+            m = idx[codes == c]
+            frac = ood[m].mean()
+            if m.size >= min_size and (frac >= min_fraction or frac >= min_enrichment * overall):
+                found.append(m)
+    return found
+
+
+# ------------------------------------------------------------------------------------------
+# the stage
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Discovery:
+    """What the ``discover`` stage found, over the cells it was given (indices into them).
+
+    ``assign``: candidate novel cluster of each cell (``-1``: none), largest first; ``sizes``:
+    cells per candidate; ``n_novel``: the estimated number of novel types (the number of
+    candidates); ``prototypes``: initial weights ``(n_heads, D)`` of the novel heads (candidate
+    means in the warmed-up embedding; random for heads beyond the candidates); ``prior``: the
+    regulariser's target over seen + novel heads (``None``: uniform); ``anchor_cells`` and
+    ``anchor_heads``: the core cells of coherent candidates and the head (``n_seen + j``) each is
+    anchored to; ``diagnostics``: JSON-able figures for ``uns`` (see :func:`discover`).
+    """
+
+    assign: np.ndarray
+    sizes: tuple[int, ...]
+    n_novel: int
+    prototypes: np.ndarray
+    prior: np.ndarray | None
+    anchor_cells: np.ndarray
+    anchor_heads: np.ndarray
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.prototypes.shape[0])
+
+
+def discover(
+    embedding: np.ndarray,
+    seen_similarity: np.ndarray,
+    labels: np.ndarray,
+    domain: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    n_novel: int | str = "auto",
+    cfg: DiscoveryConfig = _DEFAULTS,
+    seed: int = 0,
+    domain_names: list[str] | None = None,
+) -> Discovery:
+    """Candidate novel clusters after the warm-up, and the novel heads they start.
+
+    ``embedding`` ``(n, D)``: L2-normalised warmed-up embedding of the cells; ``seen_similarity``
+    ``(n, n_seen)``: their cosine to each seen head; ``labels``: class codes (``-1``
+    unlabelled); ``domain``: batch codes; ``pca_of(idx)``: the PCA of the aligned expression of
+    the cells ``idx`` (called per batch and per class, so each set of cells gets its own axes).
+
+    Candidates are clusters of unlabelled cells the seen heads do not explain
+    (:func:`ood_clusters`; in batches without labelled cells :func:`query_ood_clusters`), and
+    sub-clusters of seen classes that lack their share of labels (:func:`hidden_novel_clusters`).
+    With ``n_novel="auto"`` there is one novel head per candidate; a given number of heads takes
+    the largest candidates first (random prototypes beyond them).
+    """
+    rng = np.random.default_rng(seed)
+    pcas: dict[bytes, np.ndarray] = {}
+
+    def pca_cells(idx: np.ndarray) -> np.ndarray:
+        """``pca_of`` computed once per set of cells (on single-batch data the batch's cells and
+        all cells are the same set).
+        """
+        key = np.asarray(idx, dtype=np.int64).tobytes()
+        if key not in pcas:
+            pcas[key] = pca_of(idx)
+        return pcas[key]
+
+    n_seen = seen_similarity.shape[1]
+    lab = labels >= 0
+    n_unl = int((~lab).sum())
+    maxcos = seen_similarity.max(axis=1)
+    best_seen = seen_similarity.argmax(axis=1)
+    # unlabelled cells among labelled ones (same batch) are of known types, however poorly the
+    # seen heads score them
+    nb_frac, tested = labelled_neighbours(lab, domain, pca_cells, n_neighbors=cfg.n_neighbors)
+    supported = labelled_support(
+        lab,
+        domain,
+        nb_frac,
+        tested,
+        n_neighbors=cfg.n_neighbors,
+        min_fraction=cfg.support_fraction,
+        min_count=cfg.support_min,
+    )
+    # unlabelled cells among unlabelled ones, in batches labelled at random: a type nobody
+    # labelled, even where a seen head scores it confidently
+    desert = label_deserts(
+        lab, domain, nb_frac, tested, n_neighbors=cfg.n_neighbors, alpha=cfg.desert_alpha
+    )
+    # ... but only where labels were given among the batch's cells at random: where almost no
+    # unlabelled cell has labelled neighbours, labelled and unlabelled cells are two populations
+    # (e.g. a reference and a query concatenated without batch_key) and a lack of labels says
+    # nothing
+    segregated = segregated_batches(
+        lab, domain, supported, tested, min_supported=cfg.segregated_support
+    )
+    for d in segregated:
+        desert[domain == d] = False
+        where = f" of batch {domain_names[d]!r}" if domain_names and len(domain_names) > 1 else ""
+        warnings.warn(
+            f"The labelled and unlabelled cells{where} barely share neighbourhoods (under "
+            f"{cfg.segregated_support:.0%} of the unlabelled cells have labelled neighbours). If "
+            "they come from different samples or technologies, pass batch_key=... (or the "
+            "reference as a separate AnnData) so that the unlabelled cells are aligned and "
+            "treated as a query; as it is, known types may be reported as novel clusters.",
+            stacklevel=3,
+        )
+    # batches without any labelled cell (a separate query): candidates are voted per cluster
+    query = ~np.isin(domain, np.unique(domain[lab]))
+    min_size = min_cluster_size(n_unl, cfg)
+    # candidates are cut at the granularity of the labelled types (only where labelled and
+    # unlabelled cells share a batch: query batches are voted at cfg.query_resolution)
+    resolution, scores = resolve_resolution(
+        labels, pca_cells, seed=seed, calibrate=bool((~lab & ~query).any()), cfg=cfg
+    )
+    assign, sizes, tau = ood_clusters(
+        maxcos,
+        lab,
+        pca_cells,
+        quantile=cfg.ood_quantile,
+        resolution=resolution,
+        min_size=min_size,
+        seed=seed,
+        exclude=supported | query,
+        include=desert,
+    )
+    groups: list[np.ndarray] = []
+    if query.any():
+        groups = query_ood_clusters(
+            maxcos < tau,
+            np.flatnonzero(query),
+            domain,
+            pca_cells,
+            min_size=min_size,
+            min_fraction=cfg.query_min_fraction,
+            min_enrichment=cfg.query_min_enrichment,
+            resolution=cfg.query_resolution,
+            seed=seed,
+        )
+    n_query = len(groups)
+    n_ood = len(sizes) + n_query
+    if cfg.hidden_novel:
+        # novel types that the seen heads absorbed: sub-clusters of a seen class without their
+        # share of labelled cells, in batches where cells were labelled
+        groups += hidden_novel_clusters(
+            np.where(assign >= 0, -1, best_seen),
+            labels,
+            ~query,
+            n_seen,
+            pca_cells,
+            min_size=min_size,
+            resolution=resolution,
+            alpha=cfg.hidden_alpha,
+            max_rel_fraction=cfg.hidden_max_rel_fraction,
+            seed=seed,
+            class_fraction=_class_fraction(nb_frac, tested, labels, n_seen),
+            exclude=supported,
+        )
+    for g in groups:
+        assign[g] = len(sizes)
+        sizes.append(int(g.size))
+    if groups:  # candidates ranked by size, largest first
+        order = np.argsort(-np.asarray(sizes), kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        assign = np.where(assign >= 0, rank[np.maximum(assign, 0)], -1)
+        sizes = [sizes[i] for i in order]
+    k = len(sizes) if n_novel == "auto" else int(n_novel)
+    protos = rng.normal(size=(k, embedding.shape[1]))
+    for j in range(min(k, len(sizes))):
+        protos[j] = embedding[assign == j].mean(axis=0)
+    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    # prior of the regulariser = estimated composition of all cells over the heads: labelled cells
+    # by their label, candidate cells by their cluster, other unlabelled cells by their best seen
+    # head after the warm-up (so a known type that is rare in the reference but common in the
+    # query keeps its share)
+    head = np.where(lab, labels, best_seen)
+    in_cand = (assign >= 0) & (assign < k)
+    head = np.where(in_cand, n_seen + assign, head)
+    counts = np.bincount(head, minlength=n_seen + k).astype(np.float64)
+    core = cluster_cores(
+        np.where(in_cand, assign, -1),
+        pca_cells(np.arange(labels.size)),
+        n_neighbors=cfg.n_neighbors,
+        min_agree=cfg.core_min_agree,
+        min_core=cfg.core_min_fraction,
+    )
+    # novel heads without a candidate cluster (n_novel given above the estimate): no evidence of
+    # any mass, so their prior is the detection limit (smallest candidate size), not an average
+    # cluster; otherwise the regulariser fills them with cells of known types
+    empty = counts[n_seen:] == 0
+    if empty.any():
+        counts[n_seen:][empty] = min_size
+    diagnostics = {
+        "n_novel": len(sizes),
+        "cluster_sizes": list(sizes),
+        "n_out_of_distribution": n_ood,
+        "n_hidden_in_seen": len(sizes) - n_ood,
+        "n_supported_by_labels": int(supported.sum()),
+        "n_label_deserts": int(desert.sum()),
+        "segregated_batches": [domain_names[d] if domain_names else str(d) for d in segregated],
+        "resolution": resolution,
+        "resolution_ari": dict(zip(map(str, cfg.resolution_grid), scores, strict=False)),
+        "n_anchored": int(core.sum()),
+        "n_query_clusters": n_query,
+        "min_cluster_size": min_size,
+        "method": f"Leiden clusters (resolution {resolution:g}) of cells below the "
+        f"{cfg.ood_quantile:.0%} quantile of labelled max cosine or with improbably few "
+        "labelled neighbours"
+        + (
+            f"; in batches without labels, Leiden clusters (resolution "
+            f"{cfg.query_resolution:g}) of the batch with at least "
+            f"{cfg.query_min_fraction:.0%} (or {cfg.query_min_enrichment:g}x the batch's share) "
+            "of such cells"
+            if query.any()
+            else ""
+        )
+        + ("; sub-clusters of seen classes without labelled cells" if cfg.hidden_novel else ""),
+        "threshold": tau,
+    }
+    return Discovery(
+        assign=assign,
+        sizes=tuple(sizes),
+        n_novel=len(sizes),
+        prototypes=protos,
+        prior=counts / counts.sum(),
+        anchor_cells=np.flatnonzero(core),
+        anchor_heads=n_seen + assign[core],
+        diagnostics=diagnostics,
+    )
+
+
+def discover_without_warmup(
+    labels: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    dim: int,
+    *,
+    n_novel: int | str = "auto",
+    cfg: DiscoveryConfig = _DEFAULTS,
+    seed: int = 0,
+) -> Discovery:
+    """The paper's literal recipe (``warmup_epochs=0``): the number of novel heads is given or
+    estimated from the expression alone (:func:`estimate_n_novel`); heads start at random
+    ``(k, dim)`` directions and the regulariser's prior is uniform.
+    """
+    diagnostics: dict[str, Any] = {}
+    if n_novel == "auto":
+        diagnostics = estimate_n_novel(labels, pca_of, seed=seed, cfg=cfg)
+        k = diagnostics["n_novel"]
+    else:
+        k = int(n_novel)
+    protos = np.random.default_rng(seed).normal(size=(k, dim))
+    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    none = np.empty(0, dtype=np.int64)
+    sizes = tuple(diagnostics.get("cluster_sizes", ()))
+    return Discovery(
+        assign=np.full(labels.size, -1, dtype=np.int64),
+        sizes=sizes,
+        n_novel=diagnostics.get("n_novel", -1),
+        prototypes=protos,
+        prior=None,
+        anchor_cells=none,
+        anchor_heads=none,
+        diagnostics=diagnostics,
+    )
+
+
+def _class_fraction(nb_frac, tested, labels, n_seen) -> np.ndarray | None:
+    """Each seen class's labelled fraction: the mean labelled fraction of the neighbourhoods of
+    its labelled cells (``None`` when no cell was tested).
+    """
+    lab = tested & (labels >= 0)
+    if not lab.any():
+        return None
+    sums = np.bincount(labels[lab], weights=nb_frac[lab], minlength=n_seen)
+    counts = np.bincount(labels[lab], minlength=n_seen)
+    overall = nb_frac[lab].mean()
+    return np.where(counts > 0, sums / np.maximum(counts, 1), overall)
+
+
+# ------------------------------------------------------------------------------------------
+# after training: novel clusters that are known types, and names
+# ------------------------------------------------------------------------------------------
+def match_known_types(
+    X: sp.csr_matrix,
+    labels: np.ndarray,
+    domain: np.ndarray,
+    clusters: np.ndarray,
+    n_clusters: int,
+    n_seen: int,
+    threshold: float = _DEFAULTS.merge_threshold,
+) -> list[tuple[int, int, float]]:
+    """Novel clusters that are a known type seen in another batch.
+
+    A known type that is rare in the reference but common in the query (or shifted by technology)
+    can come out as a novel cluster. Batch effects shift expression levels, but the genes that set
+    a type apart from the other cells *of its own batch* are largely the same in every batch. So
+    each group gets a within-batch marker signature: its mean expression in its main batch minus
+    that batch's mean over all cells. A cluster (``clusters[i]`` for unlabelled cell ``i``,
+    ``-1`` elsewhere) whose signature correlates at least ``threshold`` with a known type's is that
+    type, provided no cell of the type is labelled in the cluster's batch (within one batch the
+    labels already say which cells belong to the type, so no cluster is merged there).
+
+    Returns ``[(cluster, type, correlation), ...]`` for the merged clusters.
+    """
+    n_domains = int(domain.max()) + 1
+    all_means, _ = group_domain_means(X, np.zeros(X.shape[0], dtype=np.int64), 1, domain, n_domains)
+    background = all_means[0]  # (n_domains, n_genes): mean over every cell of each batch
+
+    def signatures(groups, n_groups):
+        means, counts = group_domain_means(X, groups, n_groups, domain, n_domains)
+        main = counts.argmax(axis=1)  # each group's main batch
+        sig = means[np.arange(n_groups), main] - background[main]
+        sig = sig - sig.mean(axis=1, keepdims=True)
+        sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
+        return sig, main, counts
+
+    known, _, known_counts = signatures(labels, n_seen)  # -1 (unlabelled) is no group
+    novel, novel_main, novel_counts = signatures(clusters, n_clusters)
+    corr = novel @ known.T  # (n_clusters, n_seen) Pearson correlation of the signatures
+    # a type can only absorb a cluster whose batch has none of the type's labelled cells
+    corr[known_counts[:, novel_main].T > 0] = -np.inf
+    corr[novel_counts.sum(axis=1) == 0] = -np.inf
+    merged = []
+    for j in range(n_clusters):
+        k = int(np.argmax(corr[j]))
+        if corr[j, k] >= threshold:
+            merged.append((j, k, float(corr[j, k])))
+    return merged
+
+
+def name_heads(
+    counts: np.ndarray, classes: list[str], merged: list[tuple[int, int, float]]
+) -> tuple[list[str | None], list[int]]:
+    """Output name of every head: seen heads keep their class; a novel head merged into a known
+    type (:func:`match_known_types`) takes the type's name; the other novel heads with cells are
+    ``novel_1``, ``novel_2``, ... by size among the unlabelled cells (``counts``, per novel head),
+    largest first; heads without cells are ``None`` (pruned). Returns the names and the novel
+    heads in name order.
+    """
+    n_seen = len(classes)
+    names: list[str | None] = list(classes) + [None] * len(counts)
+    for h, k, _ in merged:
+        names[n_seen + h] = classes[k]
+    order = [
+        int(h)
+        for h in np.argsort(-counts, kind="stable")
+        if counts[h] > 0 and names[n_seen + h] is None
+    ]
+    for rank, h in enumerate(order):
+        names[n_seen + h] = f"novel_{rank + 1}"
+    return names, order

@@ -1,0 +1,225 @@
+"""The development suite (``orca-sc benchmark --suite dev``): every change of a default of the
+method is run on all of it, before and after.
+
+* every shared real task, in both directions where the data has two batches;
+* the paper's protocol on every single-batch set (seeds draw the split);
+* a simulator sweep with known truth, one factor at a time around a base setting: query size
+  (150 -> 50,000 cells, down to ~10 cells per type), labelled fraction (5% -> 90% in the
+  protocol, 100% in a reference), number of novel types (0 -> 20), batch strength and
+  imbalance; plus a 1,000-cell reference + 1,000-cell query of 5,000 genes whose wall time is
+  the small-data speed figure.
+
+Beside the paper's metrics the suite reports the share of novel-type cells called novel, the
+share of known-type cells called novel, and the number of novel clusters found (and, for ORCA,
+estimated) against the truth: Hungarian novel accuracy alone scores a novel type absorbed whole by
+a known one as correct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ._splits import Task, batch_split, protocol_split
+from ._tasks import TaskSpec, builtin_tasks, reversed_tasks
+
+
+@dataclass(frozen=True)
+class SimSetting:
+    """One point of the simulator sweep (:func:`orca_sc.datasets.simulate` counts).
+
+    ``design="cross-batch"``: a reference batch holding the seen types only (about ``n_ref``
+    cells, all labelled) and a query batch of ``n_query`` cells of all types.
+    ``design="protocol"``: one batch of ``n_ref + n_query`` cells; ``labelled_fraction`` of each
+    seen type's cells labelled, every other cell the query (the paper's protocol).
+    The ``n_novel`` novel types are drawn at random among the ``n_seen + n_novel`` types (whose
+    sizes fall geometrically, largest ``imbalance`` times the smallest).
+    """
+
+    name: str
+    design: str = "cross-batch"
+    n_ref: int = 2000
+    n_query: int = 2000
+    n_seen: int = 8
+    n_novel: int = 4
+    labelled_fraction: float = 0.5
+    batch_strength: float = 0.3
+    imbalance: float = 5.0
+    n_genes: int = 1000
+
+    def describe(self) -> str:
+        base = SimSetting("base")
+        diff = [
+            f"{k}={getattr(self, k)}"
+            for k in self.__dataclass_fields__
+            if k != "name" and getattr(self, k) != getattr(base, k)
+        ]
+        return "simulated, " + (", ".join(diff) if diff else "base setting")
+
+
+def make_sim_task(setting: SimSetting, seed: int) -> Task:
+    """The task of ``setting`` at ``seed`` (the seed draws the data, the novel types and the
+    split).
+    """
+    from ..datasets import simulate
+
+    s = setting
+    n_types = s.n_seen + s.n_novel
+    rng = np.random.default_rng(10_000 + seed)
+    types = [f"type_{t}" for t in range(n_types)]
+    novel = sorted(rng.choice(types, s.n_novel, replace=False).tolist()) if s.n_novel else []
+    w = s.imbalance ** (-np.arange(n_types) / max(n_types - 1, 1))
+    seen_share = w[[t not in novel for t in types]].sum() / w.sum()
+    name = f"sim_{s.name}"
+    if s.design == "protocol":
+        a = simulate(s.n_ref + s.n_query, s.n_genes, n_types, imbalance=s.imbalance, seed=seed)
+        seen = [t for t in types if t not in novel]
+        return protocol_split(
+            a, "cell_type", seen_classes=seen, labeled_fraction=s.labelled_fraction, seed=seed,
+            name=name,
+        )  # fmt: skip
+    n_ref_batch = int(round(s.n_ref / seen_share))
+    a = simulate(
+        n_ref_batch + s.n_query,
+        s.n_genes,
+        n_types,
+        n_batches=2,
+        batch_strength=s.batch_strength,
+        imbalance=s.imbalance,
+        batch_weights=[n_ref_batch, s.n_query],
+        seed=seed,
+    )
+    return batch_split(
+        a, "cell_type", "batch", ["batch_0"], novel_classes=novel, seed=seed, name=name
+    )
+
+
+def sim_settings(large: bool = True) -> list[SimSetting]:
+    """The sweep: the base setting and one factor changed at a time."""
+    b = SimSetting("base")
+    out = [
+        b,
+        replace(b, name="query150", n_query=150),
+        replace(b, name="query500", n_query=500),
+        replace(b, name="query10k", n_query=10_000),
+        replace(b, name="ref200_query150", n_ref=200, n_query=150),
+        replace(b, name="ref200", n_ref=200),
+        replace(b, name="novel0", n_novel=0),
+        replace(b, name="novel1", n_novel=1),
+        replace(b, name="novel10", n_novel=10),
+        replace(b, name="novel20", n_seen=10, n_novel=20),
+        replace(b, name="batch0", batch_strength=0.0),
+        replace(b, name="batch0.6", batch_strength=0.6),
+        replace(b, name="imbalance1", imbalance=1.0),
+        replace(b, name="imbalance30", imbalance=30.0),
+        replace(b, name="protocol_lab0.05", design="protocol", labelled_fraction=0.05),
+        replace(b, name="protocol_lab0.2", design="protocol", labelled_fraction=0.2),
+        replace(b, name="protocol_lab0.5", design="protocol", labelled_fraction=0.5),
+        replace(b, name="protocol_lab0.9", design="protocol", labelled_fraction=0.9),
+        replace(b, name="speed_1k_1k", n_ref=1000, n_query=1000, n_genes=5000),
+    ]
+    if large:
+        out.append(replace(b, name="query50k", n_query=50_000))
+    return out
+
+
+def dev_suite(data_dir: str | Path | None, *, large: bool = True) -> list[TaskSpec]:
+    """Every task of the development suite whose data is here (the simulations always are)."""
+    specs = builtin_tasks(data_dir) + reversed_tasks(data_dir)
+    specs += [
+        TaskSpec(f"sim_{s.name}", "simulated", partial(make_sim_task, s), s.describe())
+        for s in sim_settings(large)
+    ]
+    return specs
+
+
+def suite_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Mean over seeds per (task, method) of the suite's columns."""
+    cols = [
+        "seen_acc",
+        "novel_acc",
+        "all_acc",
+        "novel_called",
+        "known_called_novel",
+        "novel_found",
+        "novel_est",
+        "novel_true",
+        "seconds",
+    ]
+    cols = [c for c in cols if c in runs.columns]
+    g = runs.groupby(["task", "method"], sort=False)
+    out = g[cols].mean()
+    out["n_query"] = g["n_query"].first()
+    out["n_seeds"] = g["seed"].nunique()
+    out["errors"] = g["error"].apply(lambda e: int((e.fillna("") != "").sum()))
+    return out.reset_index()
+
+
+def estimate_accuracy(runs: pd.DataFrame, method: str = "ORCA") -> dict:
+    """How well the number of novel types is found, over every run of ``method``: exact share,
+    mean absolute error and mean signed error of the clusters found (and of the estimate)
+    against the truth.
+    """
+    r = runs[(runs["method"] == method) & runs["novel_found"].notna()]
+    out = {"runs": len(r)}
+    for col in ("novel_found", "novel_est"):
+        if col in r and r[col].notna().any():
+            d = r[col] - r["novel_true"]
+            out[col] = {
+                "exact": float((d == 0).mean()),
+                "mae": float(d.abs().mean()),
+                "bias": float(d.mean()),
+            }
+    return out
+
+
+def suite_markdown(runs: pd.DataFrame, settings: dict | None = None) -> str:
+    """The suite's report: one row per task and method, then the n_novel estimate's accuracy and
+    the small-data wall time next to CellTypist's.
+    """
+    t = suite_table(runs)
+    st = settings or {}
+    lines = [
+        "# orca_sc development suite",
+        "",
+        f"orca_sc {st.get('version', '')}; seeds {st.get('seeds', '')}; torch threads "
+        f"{st.get('torch_threads', '')}. Means over seeds. seen / novel / all: the paper's "
+        "metrics; novel->novel: share of novel-type cells called novel; known->novel: share of "
+        "known-type cells called novel; found (est) / true: novel clusters found (ORCA's "
+        "estimate) against the true number of novel types.",
+        "",
+        "| task | method | cells | seen | novel | all | novel->novel | known->novel "
+        "| found (est) / true | s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x):
+        return "–" if pd.isna(x) else f"{x:.3f}"
+
+    for _, r in t.iterrows():
+        est = f" ({r['novel_est']:.1f})" if "novel_est" in r and pd.notna(r["novel_est"]) else ""
+        err = f" ({int(r['errors'])} failed)" if r["errors"] else ""
+        lines.append(
+            f"| {r['task']} | {r['method']}{err} | {int(r['n_query'])} | {f(r['seen_acc'])} "
+            f"| {f(r['novel_acc'])} | {f(r['all_acc'])} | {f(r['novel_called'])} "
+            f"| {f(r['known_called_novel'])} | {r['novel_found']:.1f}{est} / "
+            f"{r['novel_true']:.0f} | {r['seconds']:.1f} |"
+        )
+    acc = estimate_accuracy(runs)
+    lines += ["", "## Number of novel types (ORCA, every run)", ""]
+    for col, what in (("novel_found", "clusters found"), ("novel_est", "estimate")):
+        if col in acc:
+            a = acc[col]
+            lines.append(
+                f"- {what}: exact in {a['exact']:.0%} of {acc['runs']} runs, mean absolute "
+                f"error {a['mae']:.2f}, mean signed error {a['bias']:+.2f}"
+            )
+    speed = t[t["task"] == "sim_speed_1k_1k"]
+    if not speed.empty:
+        lines += ["", "## Small data (1,000-cell reference + 1,000-cell query, 5,000 genes)", ""]
+        lines += [f"- {r['method']}: {r['seconds']:.1f} s" for _, r in speed.iterrows()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,133 @@
+"""Contracts of the stages behind ``tl.annotate``: discover on arrays, the trainer on arrays
+(nothing of ``tl`` or AnnData), configuration precedence and the scanpy-style return.
+"""
+
+import ast
+import inspect
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from conftest import FAST
+
+import orca_sc
+from orca_sc import DiscoveryConfig, OrcaConfig, OrcaModel
+from orca_sc._discover import Discovery, discover, pca_embedding
+from orca_sc._train import DeviceCSR, NovelHeads, TrainRandom, fit_open_world, fit_warmup, schedule
+
+
+def _blobs(n_per=60, n_types=5, dim=8, seed=0):
+    """Well-separated groups in an embedding; types 0-2 seen (half labelled), 3-4 novel."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(n_types, dim)) * 4
+    truth = np.repeat(np.arange(n_types), n_per)
+    x = centers[truth] + rng.normal(size=(truth.size, dim))
+    labels = np.where((truth < 3) & (rng.random(truth.size) < 0.5), truth, -1)
+    return x, truth, labels
+
+
+def test_discover_on_arrays_returns_the_documented_fields():
+    x, truth, labels = _blobs()
+    emb = x / np.linalg.norm(x, axis=1, keepdims=True)
+    # seen "heads": the labelled class means; novel cells are far from all of them
+    heads = np.stack([emb[labels == k].mean(0) for k in range(3)])
+    heads /= np.linalg.norm(heads, axis=1, keepdims=True)
+    found = discover(emb, emb @ heads.T, labels, np.zeros_like(labels), lambda idx: x[idx])
+    assert isinstance(found, Discovery)
+    with pytest.raises(AttributeError):  # frozen
+        found.n_novel = 3
+    assert found.n_novel == len(found.sizes) == found.n_heads == 2
+    assert found.assign.shape == labels.shape
+    for j in range(found.n_novel):  # each candidate is (nearly all) one novel type
+        members = truth[found.assign == j]
+        main = np.bincount(members).argmax()
+        assert members.size == found.sizes[j] and main >= 3 and (members == main).mean() > 0.95
+    assert found.prototypes.shape == (2, x.shape[1])
+    np.testing.assert_allclose(np.linalg.norm(found.prototypes, axis=1), 1, rtol=1e-6)
+    assert found.prior.shape == (5,) and np.isclose(found.prior.sum(), 1)
+    assert (found.anchor_heads >= 3).all() and found.anchor_cells.size == found.anchor_heads.size
+    assert found.diagnostics["n_novel"] == 2 and "resolution" in found.diagnostics
+    # n_novel given above the estimate: extra heads start at random directions
+    more = discover(emb, emb @ heads.T, labels, np.zeros_like(labels), lambda i: x[i], n_novel=4)
+    assert more.n_heads == 4 and more.n_novel == 2
+    # every knob of the stage is a DiscoveryConfig field: none at all -> no hidden sub-clusters
+    off = discover(
+        emb,
+        emb @ heads.T,
+        labels,
+        np.zeros_like(labels),
+        lambda i: x[i],
+        cfg=DiscoveryConfig(hidden_novel=False, min_cluster_cells=1000),
+    )
+    assert off.n_novel == 0 and off.diagnostics["min_cluster_size"] == 1000
+
+
+def test_trainer_runs_on_arrays_and_knows_nothing_of_tl():
+    for mod in (orca_sc._train, orca_sc._discover, orca_sc.module):
+        tree = ast.parse(inspect.getsource(mod))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(m.split(".")[0] in ("anndata", "scanpy", "tl") for m in names), mod
+        assert not any(".tl" in m or m == "tl" for m in names), mod
+    a = orca_sc.datasets.simulate(400, 200, 4, markers_per_type=30, marker_fold=5.0, seed=1)
+    X = sp.csr_matrix(np.log1p(a.X.toarray()).astype(np.float32))
+    truth = a.obs["cell_type"].cat.codes.to_numpy()
+    labels = np.where((truth < 2) & (np.arange(truth.size) % 2 == 0), truth, -1).astype(np.int64)
+    dom = np.zeros(truth.size, dtype=np.int64)
+    ones, zeros = np.ones((1, 200), np.float32), np.zeros((1, 200), np.float32)
+    cfg = OrcaConfig(epochs=6, warmup_epochs=2, min_steps=0, progress=False, hidden_dims=(32, 16))
+    cells = DeviceCSR(X, dom, ones, zeros, torch.device("cpu"))
+    plan = schedule(X.shape[0], cfg)
+    rand = TrainRandom(0, torch.device("cpu"))
+    net, hist = fit_warmup(cells, labels, 2, cfg, plan, rand)
+    assert net.n_heads == 2 and len(hist) == 2 and all(h["warmup"] for h in hist)
+    protos = np.eye(2, 16)
+    novel = NovelHeads(protos, anchor_rows=np.array([1, 3]), anchor_heads=np.array([2, 3]))
+    pca = pca_embedding(X, dom, ones, zeros, n_comps=5)
+    net2, hist2 = fit_open_world(net, cells, labels, novel, cfg, plan, rand, pca)
+    assert net.n_heads == 2 and net2.n_heads == 4  # the warm-up net is not modified
+    assert [h["epoch"] for h in hist2] == [3, 4, 5, 6] and hist2[0]["anchored"]
+    assert all(h["pairwise"] > 0 for h in hist2)
+
+
+def test_explicit_keyword_wins_over_config(small_sim):
+    """``config=OrcaConfig(n_genes=100), n_genes=2000`` trains on 2000 genes (all 300 here),
+    even though 2000 is the default; options not given come from ``config``; discovery
+    fields go into ``config.discovery``.
+    """
+    cfg = OrcaConfig(**{**FAST, "n_genes": 100, "seed": 5})
+    a = orca_sc.tl.annotate(
+        small_sim, labels_key="lab", config=cfg, n_genes=2000, merge_threshold=0.9, copy=True
+    )
+    u = a.uns["orca"]
+    assert u["data"]["n_genes_used"] == 300
+    assert u["params"]["seed"] == 5 and u["params"]["discovery"]["merge_threshold"] == 0.9
+    b = orca_sc.tl.annotate(small_sim, labels_key="lab", config=cfg, copy=True)
+    assert b.uns["orca"]["data"]["n_genes_used"] == 100
+
+
+def test_scanpy_style_return_and_one_way_to_the_model(small_sim, tmp_path):
+    assert orca_sc.tl.annotate(small_sim, labels_key="lab", **FAST) is None
+    with pytest.raises(TypeError, match="return_model was removed.*save_model"):
+        orca_sc.tl.annotate(small_sim, labels_key="lab", return_model=True, **FAST)
+    with pytest.raises(orca_sc.OrcaInputError, match="does not exist"):
+        orca_sc.tl.annotate(
+            small_sim, labels_key="lab", save_model=tmp_path / "no" / "m.pt", **FAST
+        )
+    # OrcaModel.fit trains the same model as annotate (same seed): same labels on the cells
+    model = OrcaModel.fit(small_sim, labels_key="lab", **FAST)
+    labels, _, _ = model.predict(small_sim)
+    np.testing.assert_array_equal(labels, small_sim.obs["orca_label"].astype(str).to_numpy())
+
+
+def test_novelty_score_separates_novel_cells(small_sim):
+    orca_sc.tl.annotate(small_sim, labels_key="lab", **FAST)
+    nov = small_sim.obs["orca_novelty"].to_numpy()
+    truth = small_sim.obs["cell_type"].astype(str)
+    novel = truth.isin(["type_3", "type_4"]).to_numpy()
+    labelled = small_sim.obs["lab"].notna().to_numpy()
+    assert ((0 <= nov) & (nov <= 1)).all()
+    # the labelled cells define the scale: about uniform on them
+    assert abs(np.median(nov[labelled]) - 0.5) < 0.1
+    assert np.median(nov[novel]) > 0.9 > np.median(nov[~novel & ~labelled])
