@@ -23,6 +23,7 @@ from ._config import DISCOVERY_FIELDS, OrcaConfig
 from ._data import OrcaInputError, prepare
 from ._discover import (
     Discovery,
+    calibration_split,
     discover,
     discover_without_warmup,
     match_known_types,
@@ -71,16 +72,23 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     cells = DeviceCSR(data.X, data.domain, scale, offset, device)
     plan, rand = schedule(data.n_cells, cfg), TrainRandom(cfg.seed, device)
 
+    # labelled cells held out of the warm-up calibrate the out-of-distribution threshold
+    dc = cfg.discovery
+    calib = calibration_split(
+        data.labels, dc.calibration_fraction, dc.calibration_max_cells, cfg.seed
+    )
     t0 = time.perf_counter()
-    net, history = fit_warmup(cells, data.labels, n_seen, cfg, plan, rand)
+    net, history = fit_warmup(cells, np.where(calib, -1, data.labels), n_seen, cfg, plan, rand)
     t1 = time.perf_counter()
-    found, rows = _discover(net, cells, data, scale, offset, cfg, warmed_up=plan.warmup > 0)
+    found, rows = _discover(net, cells, data, scale, offset, cfg, calib, warmed_up=plan.warmup > 0)
     t2 = time.perf_counter()
     novel = NovelHeads(found.prototypes, found.prior, rows[found.anchor_cells], found.anchor_heads)
     pairs = _pair_features(data, scale, offset, cfg)
     net, history_ow = fit_open_world(net, cells, data.labels, novel, cfg, plan, rand, pairs)
     t3 = time.perf_counter()
     logger.info("Novel heads: %d (estimated novel types: %d).", found.n_heads, found.n_novel)
+    for note in found.diagnostics.get("notes", []):  # where the data cannot support a call
+        logger.warning(note)
 
     anchor = align_info.get("anchor")
     anchor_rows = data.domain == (anchor if anchor is not None else data.domain[data.labeled][0])
@@ -150,7 +158,9 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     return model, annotation
 
 
-def _discover(net, cells, data, scale, offset, cfg, *, warmed_up) -> tuple[Discovery, np.ndarray]:
+def _discover(
+    net, cells, data, scale, offset, cfg, calib, *, warmed_up
+) -> tuple[Discovery, np.ndarray]:
     """The discover stage on (at most ``discovery.max_cells``) cells ``rows``: returns what it
     found, with indices into ``rows``, and ``rows``.
     """
@@ -176,6 +186,7 @@ def _discover(net, cells, data, scale, offset, cfg, *, warmed_up) -> tuple[Disco
         data.labels[rows],
         data.domain[rows],
         pca_of,
+        calibration=calib[rows],
         n_novel=cfg.n_novel,
         cfg=dc,
         seed=cfg.seed,
