@@ -152,7 +152,7 @@ def test_calibration_split_is_stratified_and_keeps_training_cells():
 def _sim_task(**kw):
     from orca_sc.benchmark import SimSetting, make_sim_task
 
-    return make_sim_task(SimSetting("t", n_genes=500, **kw), seed=0)
+    return make_sim_task(SimSetting("t", **{"n_genes": 300, **kw}), seed=0)
 
 
 def _run(task, **config):
@@ -187,9 +187,9 @@ def test_small_corners_of_the_sweep():
     """A 150-cell query (~12 cells per type) keeps seen accuracy; two well-separated novel
     types give two clusters; a query with no novel type gives no novel cluster.
     """
-    r, _ = _run(_sim_task(n_ref=1000, n_query=150))
+    r, _ = _run(_sim_task(n_ref=600, n_query=150))
     assert r["seen_acc"] >= 0.8
-    two, _ = _run(_sim_task(n_ref=1000, n_query=1000, n_seen=4, n_novel=2, imbalance=1.0))
+    two, _ = _run(_sim_task(n_ref=400, n_query=400, n_seen=4, n_novel=2, imbalance=1.0))
     assert two["novel_found"] == 2 and two["novel_acc"] > 0.95
-    none, u = _run(_sim_task(n_ref=1000, n_query=1000, n_novel=0))
+    none, u = _run(_sim_task(n_ref=600, n_query=600, n_novel=0))
     assert none["novel_found"] == 0 and u["n_novel"]["found"] == 0
