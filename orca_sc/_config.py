@@ -132,21 +132,17 @@ class DiscoveryConfig:
     no_warmup_rel_threshold: float = 0.1
 
     def __post_init__(self) -> None:
-        def bad(name: str, value: Any, expected: str) -> None:
-            msg = f"Invalid {name}={value!r}: expected {expected}."
-            raise ValueError(msg)
-
         object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
         res = self.resolution
         if not (res == "auto" or (_is_number(res) and res > 0)):
-            bad("resolution", res, 'a positive number or "auto"')
+            _invalid("resolution", res, 'a positive number or "auto"')
         if not self.resolution_grid or not all(
             _is_number(r) and r > 0 for r in self.resolution_grid
         ):
-            bad("resolution_grid", self.resolution_grid, "positive numbers")
+            _invalid("resolution_grid", self.resolution_grid, "positive numbers")
         for name in ("fallback_resolution", "query_resolution", "query_min_enrichment"):
             if not (_is_number(getattr(self, name)) and getattr(self, name) > 0):
-                bad(name, getattr(self, name), "a positive number")
+                _invalid(name, getattr(self, name), "a positive number")
         for name in (
             "ood_quantile",
             "ood_max_rate",
@@ -163,7 +159,7 @@ class DiscoveryConfig:
             "no_warmup_rel_threshold",
         ):
             if not (_is_number(getattr(self, name)) and 0 <= getattr(self, name) <= 1):
-                bad(name, getattr(self, name), "a number in [0, 1]")
+                _invalid(name, getattr(self, name), "a number in [0, 1]")
         for name in (
             "calibration_cells",
             "calibration_max_cells",
@@ -171,17 +167,17 @@ class DiscoveryConfig:
             "max_cells",
         ):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                bad(name, getattr(self, name), "a positive integer")
+                _invalid(name, getattr(self, name), "a positive integer")
         for name in ("n_neighbors", "n_pcs"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 2:
-                bad(name, getattr(self, name), "an integer >= 2")
+                _invalid(name, getattr(self, name), "an integer >= 2")
         if not _is_int(self.support_min) or self.support_min < 0:
-            bad("support_min", self.support_min, "a non-negative integer")
+            _invalid("support_min", self.support_min, "a non-negative integer")
         if not isinstance(self.hidden_novel, bool):
-            bad("hidden_novel", self.hidden_novel, "True or False")
+            _invalid("hidden_novel", self.hidden_novel, "True or False")
         thr = self.merge_threshold
         if thr is not None and not (_is_number(thr) and 0 < thr <= 1):
-            bad("merge_threshold", thr, "a number in (0, 1] or None")
+            _invalid("merge_threshold", thr, "a number in (0, 1] or None")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DiscoveryConfig:
@@ -347,43 +343,39 @@ class OrcaConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        def bad(name: str, value: Any, expected: str) -> None:
-            msg = f"Invalid {name}={value!r}: expected {expected}."
-            raise ValueError(msg)
-
         if isinstance(self.unlabeled_category, str):
             object.__setattr__(self, "unlabeled_category", (self.unlabeled_category,))
         else:
             object.__setattr__(self, "unlabeled_category", tuple(self.unlabeled_category))
         object.__setattr__(self, "hidden_dims", tuple(int(h) for h in self.hidden_dims))
         if self.n_genes is not None and (not _is_int(self.n_genes) or self.n_genes < 2):
-            bad("n_genes", self.n_genes, "an integer >= 2 or None (all shared genes)")
+            _invalid("n_genes", self.n_genes, "an integer >= 2 or None (all shared genes)")
         if not (
             (_is_int(self.n_novel) and self.n_novel >= 0)
             or (isinstance(self.n_novel, str) and self.n_novel == "auto")
         ):
-            bad("n_novel", self.n_novel, 'a non-negative integer or "auto"')
+            _invalid("n_novel", self.n_novel, 'a non-negative integer or "auto"')
         if len(self.hidden_dims) != 2 or min(self.hidden_dims) < 1:
-            bad("hidden_dims", self.hidden_dims, "two positive layer sizes")
+            _invalid("hidden_dims", self.hidden_dims, "two positive layer sizes")
         if not 0.0 <= self.dropout < 1.0:
-            bad("dropout", self.dropout, "a probability in [0, 1)")
+            _invalid("dropout", self.dropout, "a probability in [0, 1)")
         for name in ("epochs", "batch_size", "min_shared_genes"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                bad(name, getattr(self, name), "a positive integer")
+                _invalid(name, getattr(self, name), "a positive integer")
         for name in ("min_steps", "warmup_epochs", "anchor_epochs"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
-                bad(name, getattr(self, name), "a non-negative integer")
+                _invalid(name, getattr(self, name), "a non-negative integer")
         if self.warmup_epochs >= self.epochs:
-            bad(
+            _invalid(
                 "warmup_epochs",
                 self.warmup_epochs,
                 f"smaller than epochs={self.epochs} (the open-world phase follows the warm-up)",
             )
         if self.batch_size < 2:
-            bad("batch_size", self.batch_size, "at least 2 (BatchNorm needs two cells)")
+            _invalid("batch_size", self.batch_size, "at least 2 (BatchNorm needs two cells)")
         for name in ("lr", "target_sum"):
             if not getattr(self, name) > 0:
-                bad(name, getattr(self, name), "a positive number")
+                _invalid(name, getattr(self, name), "a positive number")
         for name in (
             "weight_decay",
             "eta1",
@@ -394,29 +386,31 @@ class OrcaConfig:
             "anchor_weight",
         ):
             if not getattr(self, name) >= 0:
-                bad(name, getattr(self, name), "a non-negative number")
+                _invalid(name, getattr(self, name), "a non-negative number")
         if self.margin not in ("adaptive", "fixed", "zero"):
-            bad("margin", self.margin, '"adaptive", "fixed" or "zero"')
+            _invalid("margin", self.margin, '"adaptive", "fixed" or "zero"')
         if self.prior not in ("data", "uniform"):
-            bad("prior", self.prior, '"data" or "uniform"')
+            _invalid("prior", self.prior, '"data" or "uniform"')
         if self.alignment not in ("centroid", "standardize", "none"):
-            bad("alignment", self.alignment, '"centroid", "standardize" or "none"')
+            _invalid("alignment", self.alignment, '"centroid", "standardize" or "none"')
         if self.device not in ("auto", "cpu", "cuda", "mps") and not str(self.device).startswith(
             "cuda:"
         ):
-            bad("device", self.device, '"auto", "cpu", "cuda", "cuda:N" or "mps"')
+            _invalid("device", self.device, '"auto", "cpu", "cuda", "cuda:N" or "mps"')
         if self.pair_space not in ("both", "pca", "embedding"):
-            bad("pair_space", self.pair_space, '"both", "pca" or "embedding"')
+            _invalid("pair_space", self.pair_space, '"both", "pca" or "embedding"')
         if not _is_int(self.pair_pcs) or self.pair_pcs < 2:
-            bad("pair_pcs", self.pair_pcs, "an integer >= 2")
+            _invalid("pair_pcs", self.pair_pcs, "an integer >= 2")
         if not _is_int(self.mutual_pairs) or self.mutual_pairs < 0:
-            bad("mutual_pairs", self.mutual_pairs, "a non-negative integer (0: the paper's rule)")
+            _invalid(
+                "mutual_pairs", self.mutual_pairs, "a non-negative integer (0: the paper's rule)"
+            )
         if isinstance(self.discovery, dict):
             object.__setattr__(self, "discovery", DiscoveryConfig.from_dict(self.discovery))
         if not isinstance(self.discovery, DiscoveryConfig):
-            bad("discovery", self.discovery, "a DiscoveryConfig")
+            _invalid("discovery", self.discovery, "a DiscoveryConfig")
         if not _is_int(self.seed):
-            bad("seed", self.seed, "an integer")
+            _invalid("seed", self.seed, "an integer")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able representation (tuples become lists, ``discovery`` a nested dict)."""
@@ -469,6 +463,11 @@ def _check_keys(cls: type, d: dict[str, Any]) -> None:
 
 
 _LEGACY_DISCOVERY_KEYS = ("resolution", "hidden_novel", "merge_threshold")
+
+
+def _invalid(name: str, value: Any, expected: str) -> None:
+    msg = f"Invalid {name}={value!r}: expected {expected}."
+    raise ValueError(msg)
 
 
 def _is_number(x: Any) -> bool:

@@ -122,11 +122,11 @@ class OrcaModel:
         w = w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
         return (embedding @ w.T).max(axis=1)
 
-    def calibrate_novelty(self, embedding: np.ndarray, labels: np.ndarray) -> None:
+    def calibrate_novelty(self, embedding: np.ndarray) -> None:
         """Store the distribution of the labelled cells' cosine to their nearest seen head
-        (1,001 quantiles), against which :meth:`novelty` scores cells.
+        (1,001 quantiles; ``embedding`` of the labelled cells), against which :meth:`novelty`
+        scores cells.
         """
-        del labels  # the nearest seen head, whichever class it is
         cos = self.seen_cosine(embedding)
         self.extra["seen_cosine_quantiles"] = np.quantile(cos, np.linspace(0, 1, 1001)).tolist()
 

@@ -104,7 +104,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     pred = model.predict_arrays(data.X, data.domain, scale, offset)
     names, merged, order = _name(data, pred.head, found.n_heads, cfg)
     model.head_names = names
-    model.calibrate_novelty(pred.embedding[data.labeled], data.labels[data.labeled])
+    model.calibrate_novelty(pred.embedding[data.labeled])
     head = model.assign_heads(pred.probs)  # pruned heads excluded
     labels_all = model.labels_for(head)
     similarity = _novel_similarity(data, scale, offset, head, names, model.novel_names)
