@@ -128,8 +128,10 @@ def leiden(
     resolution: float = 1.0,
     seed: int = 0,
     adjacency: sp.csr_matrix | None = None,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
 ) -> np.ndarray:
-    """Leiden cluster codes of the rows of ``emb`` (kNN graph, modularity, 2 iterations, seeded).
+    """Leiden cluster codes of the rows of ``emb`` (``n_neighbors``-NN graph, modularity, 2
+    iterations, seeded).
 
     Runs igraph's ``community_leiden`` on the graph directly (no AnnData). ``adjacency``: the
     graph of :func:`knn_graph` when already built (to cluster one set of cells at several
@@ -141,7 +143,7 @@ def leiden(
 
     if emb.shape[0] < 3:
         return np.zeros(emb.shape[0], dtype=np.int64)
-    A = knn_graph(emb) if adjacency is None else adjacency
+    A = knn_graph(emb, n_neighbors) if adjacency is None else adjacency
     src, dst = A.nonzero()
     g = ig.Graph(n=A.shape[0], edges=list(zip(src.tolist(), dst.tolist(), strict=True)))
     g.es["weight"] = np.asarray(A[src, dst]).ravel()
@@ -381,6 +383,7 @@ def ood_clusters(
     exclude: np.ndarray | None = None,
     include: np.ndarray | None = None,
     threshold: float | None = None,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
 ) -> tuple[np.ndarray, list[int], float]:
     """Candidate novel clusters from the cells the seen heads do not explain.
 
@@ -403,7 +406,7 @@ def ood_clusters(
     assign = np.full(maxcos.shape[0], -1, dtype=np.int64)
     if ood.size < min_size:
         return assign, [], tau
-    codes = leiden(pca_of(ood), resolution, seed)
+    codes = leiden(pca_of(ood), resolution, seed, n_neighbors=n_neighbors)
     counts = np.bincount(codes)
     keep = [c for c in np.argsort(-counts, kind="stable") if counts[c] >= min_size]
     for rank, c in enumerate(keep):
@@ -425,6 +428,7 @@ def hidden_novel_clusters(
     seed: int = 0,
     class_fraction: np.ndarray | None = None,
     exclude: np.ndarray | None = None,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
 ) -> list[np.ndarray]:
     """Novel types hiding inside seen heads, found from where labelled cells are missing.
 
@@ -457,7 +461,7 @@ def hidden_novel_clusters(
         if n_lab < 2 or n_unl < min_size:
             continue
         frac = n_lab / members.size if class_fraction is None else class_fraction[k]
-        codes = leiden(pca_of(members), resolution, seed)
+        codes = leiden(pca_of(members), resolution, seed, n_neighbors=n_neighbors)
         for c in np.unique(codes):
             in_c = members[codes == c]
             c_lab = int(lab[in_c].sum())
@@ -481,12 +485,13 @@ def novel_clusters(
     rel_threshold: float = _DEFAULTS.no_warmup_rel_threshold,
     min_size: int | None = None,
     seed: int = 0,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
 ) -> list[int]:
     """Sizes (unlabelled cells, largest first) of the Leiden clusters of ``emb`` that look like
     novel types: at least ``min_size`` unlabelled cells and a labelled fraction below
     ``rel_threshold`` times the overall one.
     """
-    clusters = leiden(emb, resolution, seed)
+    clusters = leiden(emb, resolution, seed, n_neighbors=n_neighbors)
     if min_size is None:
         min_size = min_cluster_size(int((~labeled).sum()))
     frac_all = labeled.mean()
@@ -518,6 +523,7 @@ def estimate_n_novel(
         rel_threshold=cfg.no_warmup_rel_threshold,
         min_size=min_cluster_size(int((~labeled).sum()), cfg),
         seed=seed,
+        n_neighbors=cfg.n_neighbors,
     )
     return {"n_novel": len(sizes), "cluster_sizes": sizes, "space": "pca"}
 
@@ -533,6 +539,7 @@ def query_ood_clusters(
     min_enrichment: float = _DEFAULTS.query_min_enrichment,
     resolution: float = _DEFAULTS.query_resolution,
     seed: int = 0,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
 ) -> list[np.ndarray]:
     """Candidate novel clusters of batches without labelled cells, decided per cluster.
 
@@ -551,7 +558,7 @@ def query_ood_clusters(
         idx = cells[domain[cells] == d]
         if idx.size < min_size:
             continue
-        codes = leiden(pca_of(idx), resolution, seed)
+        codes = leiden(pca_of(idx), resolution, seed, n_neighbors=n_neighbors)
         overall = ood[idx].mean()
         for c in np.unique(codes):
             m = idx[codes == c]
@@ -736,6 +743,7 @@ def discover(
         seed=seed,
         exclude=supported | query,
         include=desert,
+        n_neighbors=cfg.n_neighbors,
     )
     groups: list[np.ndarray] = []
     if query.any():
@@ -749,6 +757,7 @@ def discover(
             min_enrichment=cfg.query_min_enrichment,
             resolution=cfg.query_resolution,
             seed=seed,
+            n_neighbors=cfg.n_neighbors,
         )
     n_query = len(groups)
     n_ood = len(sizes) + n_query
@@ -768,6 +777,7 @@ def discover(
             seed=seed,
             class_fraction=_class_fraction(nb_frac, tested, labels, n_seen),
             exclude=supported,
+            n_neighbors=cfg.n_neighbors,
         )
     for g in groups:
         assign[g] = len(sizes)

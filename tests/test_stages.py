@@ -63,6 +63,32 @@ def test_discover_on_arrays_returns_the_documented_fields():
     assert off.n_novel == 0 and off.diagnostics["min_cluster_size"] == 1000
 
 
+def test_discovery_n_neighbors_reaches_every_graph(monkeypatch):
+    """``DiscoveryConfig.n_neighbors`` sets the kNN graph of every Leiden clustering of the
+    stage (out-of-distribution cells, hidden sub-clusters, resolution calibration), not only
+    the labelled-neighbour tests.
+    """
+    import orca_sc._discover as D
+
+    x, _, labels = _blobs()
+    emb = x / np.linalg.norm(x, axis=1, keepdims=True)
+    heads = np.stack([emb[labels == k].mean(0) for k in range(3)])
+    heads /= np.linalg.norm(heads, axis=1, keepdims=True)
+    used = []
+    orig = D.knn_graph
+    monkeypatch.setattr(D, "knn_graph", lambda e, k=15: used.append(k) or orig(e, k))
+    found = discover(
+        emb,
+        emb @ heads.T,
+        labels,
+        np.zeros_like(labels),
+        lambda idx: x[idx],
+        cfg=DiscoveryConfig(n_neighbors=7),
+    )
+    assert found.n_novel == 2
+    assert len(used) >= 3 and set(used) == {7}
+
+
 def test_trainer_runs_on_arrays_and_knows_nothing_of_tl():
     for mod in (orca_sc._train, orca_sc._discover, orca_sc.module):
         tree = ast.parse(inspect.getsource(mod))
