@@ -26,26 +26,26 @@ def _read(path: Path):
     return ad.read_h5ad(path)
 
 
-def _tm(path: Path, seed: int) -> Task:
+def _tm(path: Path, name: str, seed: int, reference: str = "Kidney") -> Task:
     a = _read(path)
     a = a[a.obs["cell_type"] != "unannotated"].copy()  # removed by the consortium's QC
-    return batch_split(a, "cell_type", "tissue", ["Kidney"], seed=seed, name="tm_kidney_to_marrow")
+    return batch_split(a, "cell_type", "tissue", [reference], seed=seed, name=name)
 
 
 BARON_HIDDEN = ("ductal", "endothelial", "quiescent_stellate", "macrophage")
 
 
-def _baron(path: Path, seed: int) -> Task:
+def _baron(path: Path, name: str, seed: int, reference: str = "mouse1") -> Task:
     return batch_split(
-        _read(path), "cell_type", "batch", ["mouse1"], novel_classes=BARON_HIDDEN, seed=seed,
-        name="baron_mouse1_to_mouse2",
+        _read(path), "cell_type", "batch", [reference], novel_classes=BARON_HIDDEN, seed=seed,
+        name=name,
     )  # fmt: skip
 
 
-def _pbmc_tech(path: Path, seed: int) -> Task:
+def _pbmc_tech(path: Path, name: str, seed: int, reference: str = "Drop-seq") -> Task:
     return batch_split(
-        _read(path), "cell_type", "batch", ["Drop-seq"], novel_classes=["B cell"], seed=seed,
-        name="pbmc_dropseq_to_indrops",
+        _read(path), "cell_type", "batch", [reference], novel_classes=["B cell"], seed=seed,
+        name=name,
     )  # fmt: skip
 
 
@@ -64,12 +64,11 @@ def pbmc68k(seed: int) -> Task:
 
 #: (file in the data directory, task name, kind, builder(path, name, seed), description)
 _FILE_TASKS = [
-    ("tm_facs_scfind.h5ad", "tm_kidney_to_marrow", "cross-batch", lambda p, n, s: _tm(p, s),
+    ("tm_facs_scfind.h5ad", "tm_kidney_to_marrow", "cross-batch", _tm,
      "Tabula Muris FACS: kidney reference, marrow query (B-lineage types novel)"),
-    ("baron_mouse.h5ad", "baron_mouse1_to_mouse2", "cross-batch", lambda p, n, s: _baron(p, s),
+    ("baron_mouse.h5ad", "baron_mouse1_to_mouse2", "cross-batch", _baron,
      f"pancreas, mouse 1 reference without {', '.join(BARON_HIDDEN)}; mouse 2 query"),
-    ("scannotate_pbmc.h5ad", "pbmc_dropseq_to_indrops", "cross-batch",
-     lambda p, n, s: _pbmc_tech(p, s),
+    ("scannotate_pbmc.h5ad", "pbmc_dropseq_to_indrops", "cross-batch", _pbmc_tech,
      "PBMC cross-technology: Drop-seq reference without B cells; inDrops query"),
     ("mca_bladder.h5ad", "mca_bladder_protocol", "protocol", _protocol_file,
      "mca_bladder: paper protocol (half the classes seen, half of each labelled)"),
@@ -77,58 +76,40 @@ _FILE_TASKS = [
      "worm_neuron: paper protocol (half the classes seen, half of each labelled)"),
 ]  # fmt: skip
 
-
-def _tm_reverse(path: Path, seed: int) -> Task:
-    a = _read(path)
-    a = a[a.obs["cell_type"] != "unannotated"].copy()
-    return batch_split(a, "cell_type", "tissue", ["Marrow"], seed=seed, name="tm_marrow_to_kidney")
-
-
-def _baron_reverse(path: Path, seed: int) -> Task:
-    return batch_split(
-        _read(path), "cell_type", "batch", ["mouse2"], novel_classes=BARON_HIDDEN, seed=seed,
-        name="baron_mouse2_to_mouse1",
-    )  # fmt: skip
-
-
-def _pbmc_tech_reverse(path: Path, seed: int) -> Task:
-    return batch_split(
-        _read(path), "cell_type", "batch", ["inDrops"], novel_classes=["B cell"], seed=seed,
-        name="pbmc_indrops_to_dropseq",
-    )  # fmt: skip
-
-
 #: the cross-batch tasks the other way round (development suite)
 _REVERSED = [
-    ("tm_facs_scfind.h5ad", "tm_marrow_to_kidney", _tm_reverse,
+    ("tm_facs_scfind.h5ad", "tm_marrow_to_kidney", "cross-batch",
+     partial(_tm, reference="Marrow"),
      "Tabula Muris FACS: marrow reference (macrophage, B lineage), kidney query"),
-    ("baron_mouse.h5ad", "baron_mouse2_to_mouse1", _baron_reverse,
+    ("baron_mouse.h5ad", "baron_mouse2_to_mouse1", "cross-batch",
+     partial(_baron, reference="mouse2"),
      f"pancreas, mouse 2 reference without {', '.join(BARON_HIDDEN)}; mouse 1 query"),
-    ("scannotate_pbmc.h5ad", "pbmc_indrops_to_dropseq", _pbmc_tech_reverse,
+    ("scannotate_pbmc.h5ad", "pbmc_indrops_to_dropseq", "cross-batch",
+     partial(_pbmc_tech, reference="inDrops"),
      "PBMC cross-technology: inDrops reference without B cells; Drop-seq query"),
 ]  # fmt: skip
 
 
-def reversed_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
-    """The cross-batch tasks of :func:`builtin_tasks` with reference and query swapped."""
+def _file_specs(data_dir: str | Path | None, table: list) -> list[TaskSpec]:
+    """The tasks of ``table`` whose file is in ``data_dir``."""
     if data_dir is None:
         return []
     d = Path(data_dir)
     return [
-        TaskSpec(name, "cross-batch", partial(build, d / file), description)
-        for file, name, build, description in _REVERSED
+        TaskSpec(name, kind, partial(build, d / file, name), description)
+        for file, name, kind, build, description in table
         if (d / file).is_file()
     ]
 
 
+def reversed_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
+    """The cross-batch tasks of :func:`builtin_tasks` with reference and query swapped."""
+    return _file_specs(data_dir, _REVERSED)
+
+
 def builtin_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
     """pbmc68k_reduced (ships with scanpy) plus every task whose file is in ``data_dir``."""
-    d = Path(data_dir) if data_dir is not None else None
-    specs = [
-        TaskSpec(name, kind, partial(build, d / file, name), description)
-        for file, name, kind, build, description in _FILE_TASKS
-        if d is not None and (d / file).is_file()
-    ]
+    specs = _file_specs(data_dir, _FILE_TASKS)
     specs.append(
         TaskSpec(
             "pbmc68k_protocol", "protocol", pbmc68k, "pbmc68k_reduced (scanpy): paper protocol"
