@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from ._errors import ConfigError
 
 MarginMode = Literal["adaptive", "fixed", "zero"]
 AlignMode = Literal["centroid", "standardize", "none"]
@@ -134,15 +137,15 @@ class DiscoveryConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
         res = self.resolution
-        if not (res == "auto" or (_is_number(res) and res > 0)):
+        if not (res == "auto" or (_is_finite(res) and res > 0)):
             _invalid("resolution", res, 'a positive number or "auto"')
         if not self.resolution_grid or not all(
-            _is_number(r) and r > 0 for r in self.resolution_grid
+            _is_finite(r) and r > 0 for r in self.resolution_grid
         ):
             _invalid("resolution_grid", self.resolution_grid, "positive numbers")
         for name in ("fallback_resolution", "query_resolution", "query_min_enrichment"):
-            if not (_is_number(getattr(self, name)) and getattr(self, name) > 0):
-                _invalid(name, getattr(self, name), "a positive number")
+            if not (_is_finite(getattr(self, name)) and getattr(self, name) > 0):
+                _invalid(name, getattr(self, name), "a finite positive number")
         for name in (
             "ood_quantile",
             "ood_max_rate",
@@ -239,13 +242,15 @@ class OrcaConfig:
     Training (paper Eq. 1–6)
     ------------------------
     epochs, batch_size, lr, weight_decay
-        Adam with ``lr`` and ``weight_decay``; an epoch is one pass over all cells.
+        Adam with ``lr`` (at most 1) and ``weight_decay``; an epoch is one pass over all cells.
     min_steps
         Small data trains for at least this many optimiser steps (epochs are added), so that a
         500-cell query gets as much training as a large atlas.
     warmup_epochs
         Epochs of supervised-only training (labelled cells) before the full objective; anchors the
         query's known types to their heads before the pairwise term starts forming clusters.
+        Must be smaller than ``epochs``; ``annotate(epochs=N)`` with ``N`` at most the warm-up
+        and no ``warmup_epochs`` given shortens the warm-up to ``N - 1`` epochs.
     anchor_epochs, anchor_weight
         For ``anchor_epochs`` epochs of the full objective right after the novel heads are added,
         the core cells of every coherent candidate novel cluster (see
@@ -357,7 +362,7 @@ class OrcaConfig:
             _invalid("n_novel", self.n_novel, 'a non-negative integer or "auto"')
         if len(self.hidden_dims) != 2 or min(self.hidden_dims) < 1:
             _invalid("hidden_dims", self.hidden_dims, "two positive layer sizes")
-        if not 0.0 <= self.dropout < 1.0:
+        if not (_is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
             _invalid("dropout", self.dropout, "a probability in [0, 1)")
         for name in ("epochs", "batch_size", "min_shared_genes"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
@@ -373,9 +378,12 @@ class OrcaConfig:
             )
         if self.batch_size < 2:
             _invalid("batch_size", self.batch_size, "at least 2 (BatchNorm needs two cells)")
-        for name in ("lr", "target_sum"):
-            if not getattr(self, name) > 0:
-                _invalid(name, getattr(self, name), "a positive number")
+        # Adam steps larger than 1 on unit-scale features only diverge (--lr 1e30 used to fail as
+        # "loss became nan" after the whole warm-up)
+        if not (_is_finite(self.lr) and 0 < self.lr <= 1):
+            _invalid("lr", self.lr, "a number in (0, 1] (Adam's learning rate; default 1e-3)")
+        if not (_is_finite(self.target_sum) and self.target_sum > 0):
+            _invalid("target_sum", self.target_sum, "a finite positive number")
         for name in (
             "weight_decay",
             "eta1",
@@ -385,16 +393,17 @@ class OrcaConfig:
             "max_margin",
             "anchor_weight",
         ):
-            if not getattr(self, name) >= 0:
-                _invalid(name, getattr(self, name), "a non-negative number")
+            if not (_is_finite(getattr(self, name)) and getattr(self, name) >= 0):
+                _invalid(name, getattr(self, name), "a finite non-negative number")
         if self.margin not in ("adaptive", "fixed", "zero"):
             _invalid("margin", self.margin, '"adaptive", "fixed" or "zero"')
         if self.prior not in ("data", "uniform"):
             _invalid("prior", self.prior, '"data" or "uniform"')
         if self.alignment not in ("centroid", "standardize", "none"):
             _invalid("alignment", self.alignment, '"centroid", "standardize" or "none"')
-        if self.device not in ("auto", "cpu", "cuda", "mps") and not str(self.device).startswith(
-            "cuda:"
+        if not (
+            isinstance(self.device, str)
+            and re.fullmatch(r"auto|cpu|mps|cuda(:[0-9]+)?", self.device) is not None
         ):
             _invalid("device", self.device, '"auto", "cpu", "cuda", "cuda:N" or "mps"')
         if self.pair_space not in ("both", "pca", "embedding"):
@@ -409,8 +418,8 @@ class OrcaConfig:
             object.__setattr__(self, "discovery", DiscoveryConfig.from_dict(self.discovery))
         if not isinstance(self.discovery, DiscoveryConfig):
             _invalid("discovery", self.discovery, "a DiscoveryConfig")
-        if not _is_int(self.seed):
-            _invalid("seed", self.seed, "an integer")
+        if not (_is_int(self.seed) and 0 <= self.seed < 2**32):
+            _invalid("seed", self.seed, "an integer from 0 to 2**32 - 1")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able representation (tuples become lists, ``discovery`` a nested dict)."""
@@ -466,14 +475,19 @@ _LEGACY_DISCOVERY_KEYS = ("resolution", "hidden_novel", "merge_threshold")
 
 
 def _invalid(name: str, value: Any, expected: str) -> None:
-    msg = f"Invalid {name}={value!r}: expected {expected}."
-    raise ValueError(msg)
+    raise ConfigError(name, value, expected)
 
 
 def _is_number(x: Any) -> bool:
     import numbers
 
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
+
+
+def _is_finite(x: Any) -> bool:
+    import math
+
+    return _is_number(x) and math.isfinite(x)
 
 
 def _is_int(x: Any) -> bool:

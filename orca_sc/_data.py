@@ -18,12 +18,11 @@ import pandas as pd
 import scipy.sparse as sp
 
 from ._config import OrcaConfig
+from ._errors import ConfigError, OrcaInputError
+
+__all__ = ["OrcaInputError", "PreparedData", "prepare"]
 
 logger = logging.getLogger(__name__)
-
-
-class OrcaInputError(ValueError):
-    """Input data that cannot be used, with a message saying how to fix it."""
 
 
 @dataclass
@@ -75,21 +74,54 @@ def get_matrix(adata: Any, layer: str | None, what: str) -> sp.csr_matrix:
         source = f".layers[{layer!r}]"
     if hasattr(X, "to_memory"):  # backed / lazy arrays
         X = X.to_memory()
+    # checked in the caller's dtype (a float64 1e39 would become inf in float32); the caller's
+    # matrix is never modified: converting or canonicalising (sorting indices, summing
+    # duplicates) works on a copy
     if sp.issparse(X):
-        X = sp.csr_matrix(X, dtype=np.float32)
+        X = sp.csr_matrix(X)  # shares the caller's arrays when X is CSR already
+        _check_values(X.data, f"{what} {source}")
+        X = X.astype(np.float32, copy=False)
+        if not X.has_canonical_format:
+            X = X.copy()
+            X.sum_duplicates()
     else:
-        X = sp.csr_matrix(np.asarray(X, dtype=np.float32))
-    X.sum_duplicates()
-    _check_values(X.data, f"{what} {source}")
+        arr = np.asarray(X)
+        if arr.dtype.kind not in "biuf":
+            msg = (
+                f"The {what} {source} has dtype {arr.dtype}; expression values must be numbers. "
+                "Convert them, e.g. adata.X = adata.X.astype('float32')."
+            )
+            raise OrcaInputError(msg)
+        _check_values(arr.ravel(), f"{what} {source}")
+        X = sp.csr_matrix(arr, dtype=np.float32)
+    if X.nnz == 0:
+        msg = (
+            f"The {what} {source} holds only zeros; pass the layer with its counts or "
+            "log-normalised expression (layer=...)."
+        )
+        raise OrcaInputError(msg)
     return X
 
 
 def _check_values(data: np.ndarray, where: str) -> None:
+    if data.dtype.kind not in "biuf":
+        msg = (
+            f"{where} has dtype {data.dtype}; expression values must be numbers. Convert them, "
+            "e.g. adata.X = adata.X.astype('float32')."
+        )
+        raise OrcaInputError(msg)
     if not np.isfinite(data).all():
         n = int((~np.isfinite(data)).sum())
         msg = (
             f"{where} contains {n} NaN or infinite values; expression must be finite. "
             "Remove or impute them (e.g. np.nan_to_num) before running orca_sc."
+        )
+        raise OrcaInputError(msg)
+    big = np.finfo(np.float32).max
+    if data.size and np.abs(data).max() > big:
+        msg = (
+            f"{where} contains values up to {np.abs(data).max():.3g}, beyond what float32 can hold "
+            f"({big:.3g}); these are not expression values. Check how the matrix was made."
         )
         raise OrcaInputError(msg)
     if data.size and data.min() < 0:
@@ -106,13 +138,45 @@ def detect_scale(X: sp.csr_matrix) -> str:
     data = X.data
     if data.size == 0 or np.all(data == np.floor(data)):
         return "counts"
-    if data.max() > 50:
+    if data.max() > 50 or _linear_not_log(X):
         msg = (
-            f"The values look normalised but not log-transformed (max {data.max():.4g}, not "
-            "integers); pass raw counts, or log-normalised values (run sc.pp.log1p first)."
+            f"The values look normalised but not log-transformed (not integers, max "
+            f"{data.max():.4g}, and within each cell proportional to integer counts); pass raw "
+            "counts, or log-normalised values (run sc.pp.log1p(adata) after sc.pp.normalize_total)."
         )
         raise OrcaInputError(msg)
     return "log-normalized"
+
+
+def _linear_not_log(X: sp.csr_matrix, max_cells: int = 500) -> bool:
+    """Whether non-integer values are counts scaled per cell (``normalize_total`` without
+    ``log1p``) rather than log-normalised.
+
+    Within one cell, normalised counts are ``c * f`` and log-normalised ones ``log1p(c * f)``
+    for integer counts ``c``; dividing by the cell's smallest value (almost always a count of 1)
+    gives integers on the linear scale for the first and after ``expm1`` for the second. The
+    scale whose ratios are integers to float precision wins; when the two cannot be told apart
+    (``f`` so small that ``log1p(x)`` is ``x``) the data count as log-normalised.
+    """
+    rows = np.flatnonzero(np.diff(X.indptr) >= 2)
+    rows = rows[np.linspace(0, rows.size - 1, min(max_cells, rows.size)).astype(np.int64)]
+    sub = X[rows]
+    sub.eliminate_zeros()  # explicitly stored zeros
+    sub = sub[np.diff(sub.indptr) >= 2]
+    if sub.shape[0] == 0:
+        return False
+    starts = sub.indptr[:-1]
+    v = sub.data.astype(np.float64)
+    per_row = np.diff(sub.indptr)
+    m = np.repeat(np.minimum.reduceat(v, starts), per_row)
+
+    def off_integer(r: np.ndarray) -> float:
+        keep = r <= 100  # large ratios lose the precision to tell
+        return float(np.abs(r[keep] - np.round(r[keep])).mean())
+
+    linear = off_integer(v / m)
+    logged = off_integer(np.expm1(v) / np.expm1(m))
+    return linear < 1e-3 and logged > max(10 * linear, 1e-3)
 
 
 def log_normalize(X: sp.csr_matrix, target_sum: float) -> sp.csr_matrix:
@@ -186,9 +250,16 @@ def _labels_column(adata: Any, labels_key: str, what: str) -> pd.Series:
     return adata.obs[labels_key]
 
 
+#: label values read as missing whatever ``unlabeled_category`` says (how a NaN or None looks
+#: once a label column has been turned into strings, e.g. by ``astype(str)`` or a CSV round trip)
+MISSING_LABELS = ("", "nan", "none", "null", "<na>")
+
+
 def _is_unlabeled(col: pd.Series, unlabeled_category: tuple[str, ...]) -> np.ndarray:
     values = col.astype(object)
-    return (values.isna() | values.astype(str).isin(unlabeled_category)).to_numpy()
+    text = values.astype(str)
+    missing = text.str.strip().str.lower().isin(MISSING_LABELS)
+    return (values.isna() | missing | text.isin(unlabeled_category)).to_numpy()
 
 
 def _class_order(col: pd.Series, keep: np.ndarray) -> list[str]:
@@ -306,7 +377,9 @@ def prepare(
         output_rows = np.arange(len(keep), X.shape[0])
 
     _check_labels(labels, classes, labels_key)
+    _check_n_novel(config.n_novel, int((labels < 0).sum()), config.discovery.min_cluster_cells)
     domain_names, domain = np.unique(domain_raw.astype(str), return_inverse=True)
+    _check_expressed(X, domain, domain_names, config.batch_key)
     hv = select_genes(X, genes, domain, config.n_genes)
     X = X[:, hv].tocsr()
     X.sort_indices()
@@ -328,6 +401,23 @@ def prepare(
         input_scale=input_scale,
         info=info,
     )
+
+
+def _check_expressed(
+    X: sp.csr_matrix, domain: np.ndarray, names: np.ndarray, batch_key: str | None
+) -> None:
+    """Every batch (the reference and the query without ``batch_key``) must express some of the
+    genes used; an all-zero batch has nothing to align or annotate.
+    """
+    nnz = np.bincount(domain, weights=np.diff(X.indptr), minlength=len(names))
+    for name, n in zip(names, nnz, strict=True):
+        if n == 0:
+            what = f"batch {name!r} of obs[{batch_key!r}]" if batch_key else f"the {name}"
+            msg = (
+                f"The cells of {what} have no non-zero values in the {X.shape[1]} genes used; "
+                "check that the matrix holds expression and that gene names match."
+            )
+            raise OrcaInputError(msg)
 
 
 def batch_column(adata: Any, batch_key: str, what: str) -> np.ndarray:
@@ -361,6 +451,26 @@ def _check_labels(labels: np.ndarray, classes: list[str], labels_key: str) -> No
         warnings.warn(
             f"{len(single)} labelled class(es) have a single cell ({single[:5]}); they are kept, "
             "but ORCA cannot learn much about them.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _check_n_novel(n_novel: int | str, n_unlabeled: int, min_cells: int) -> None:
+    """Refuse more novel types than unlabelled cells (each head would be allocated anyway: a
+    billion heads is a MemoryError after the warm-up); warn when there are fewer than
+    ``min_cells`` (the smallest novel cluster discovery reports) cells per novel type.
+    """
+    if n_novel == "auto":
+        return
+    if n_novel > n_unlabeled:
+        expected = f"at most {n_unlabeled} (the number of cells to annotate), or 'auto'"
+        raise ConfigError("n_novel", n_novel, expected)
+    if n_novel * min_cells > n_unlabeled:
+        warnings.warn(
+            f"n_novel={n_novel} novel types among {n_unlabeled} cells to annotate leaves fewer than "
+            f"{min_cells} cells per type; most heads will stay empty and be dropped. Consider "
+            "n_novel='auto'.",
             UserWarning,
             stacklevel=4,
         )

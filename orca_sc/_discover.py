@@ -25,6 +25,7 @@ Leiden runs directly on igraph (exact kNN graph from scikit-learn), on at most
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -986,8 +987,9 @@ def name_heads(
     """Output name of every head: seen heads keep their class; a novel head merged into a known
     type (:func:`match_known_types`) takes the type's name; the other novel heads with cells are
     ``novel_1``, ``novel_2``, ... by size among the unlabelled cells (``counts``, per novel head),
-    largest first; heads without cells are ``None`` (pruned). Returns the names and the novel
-    heads in name order.
+    largest first, skipping names that are known types (a reference that is itself an annotated
+    query has classes ``novel_1``, ...); heads without cells are ``None`` (pruned). Returns the
+    names and the novel heads in name order.
     """
     n_seen = len(classes)
     names: list[str | None] = list(classes) + [None] * len(counts)
@@ -998,6 +1000,8 @@ def name_heads(
         for h in np.argsort(-counts, kind="stable")
         if counts[h] > 0 and names[n_seen + h] is None
     ]
-    for rank, h in enumerate(order):
-        names[n_seen + h] = f"novel_{rank + 1}"
+    taken = set(classes)
+    free = (f"novel_{i}" for i in itertools.count(1) if f"novel_{i}" not in taken)
+    for h in order:
+        names[n_seen + h] = next(free)
     return names, order

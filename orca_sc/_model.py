@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,11 +272,24 @@ class OrcaModel:
 
     @classmethod
     def load(cls, path: str | Path) -> OrcaModel:
-        """Load a model saved by :meth:`save`. Files carrying code (arbitrary pickles) are refused."""
+        """Load a model saved by :meth:`save`. Files carrying code (arbitrary pickles) are refused,
+        and so is a file whose metadata and weights do not fit together (missing keys, head
+        names that are not strings, a head count that does not match the weights) or whose
+        weights are not finite: such a model could only give wrong labels.
+        """
         path = Path(path)
+        if path.is_dir():
+            msg = f"Model path {str(path)!r} is a directory; pass the model file (e.g. model.pt)."
+            raise OrcaInputError(msg)
         if not path.is_file():
             msg = f"Model file {str(path)!r} does not exist."
             raise OrcaInputError(msg)
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            msg = f"Cannot open model file {str(path)!r}: {e.strerror or type(e).__name__}."
+            raise OrcaInputError(msg) from None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch's notes on foreign pickle protocols
@@ -295,20 +309,87 @@ class OrcaModel:
                 "another program or an incompatible orca_sc version. Retrain the model."
             )
             raise OrcaInputError(msg)
-        config = OrcaConfig.from_dict(meta["config"])
-        net = OrcaNet(len(meta["genes"]), meta["n_heads"], config.hidden_dims, config.dropout)
-        net.load_state_dict(payload["state_dict"])
-        net.eval()
+        config, net, centroids = _check_model(payload, meta, f"Model file {str(path)!r}")
         return cls(
             net,
             config,
             meta["genes"],
             meta["classes"],
             meta["head_names"],
-            payload["centroids"].numpy(),
+            centroids,
             meta.get("history"),
             meta.get("extra"),
         )
+
+
+_NOVEL_NAME = re.compile(r"novel_[0-9]+")
+
+
+def _check_model(payload: dict, meta: dict, what: str) -> tuple[OrcaConfig, OrcaNet, np.ndarray]:
+    """The config, network and centroids of a loaded model file, after checking that its
+    metadata and tensors are complete, consistent and finite (:class:`OrcaInputError` if not).
+    """
+
+    def bad(problem: str) -> OrcaInputError:
+        return OrcaInputError(
+            f"{what} is damaged or was edited: {problem}. Retrain it, or re-save it with orca_sc."
+        )
+
+    missing = [k for k in ("config", "genes", "classes", "head_names", "n_heads") if k not in meta]
+    missing += [k for k in ("state_dict", "centroids") if k not in payload]
+    if missing:
+        raise bad(f"it has no {', '.join(map(repr, missing))}")
+    genes, classes, names, n_heads = (
+        meta["genes"], meta["classes"], meta["head_names"], meta["n_heads"]
+    )  # fmt: skip
+
+    def strings(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+    if not strings(genes) or not genes or len(set(genes)) != len(genes):
+        raise bad("'genes' must be a non-empty list of unique gene names")
+    if not strings(classes) or len(classes) < 2 or len(set(classes)) != len(classes):
+        raise bad("'classes' must be a list of at least two unique cell-type names")
+    if not (isinstance(n_heads, int) and not isinstance(n_heads, bool)):
+        raise bad(f"'n_heads' is {n_heads!r}, not an integer")
+    if not isinstance(names, list) or len(names) != n_heads or n_heads < len(classes):
+        raise bad(
+            f"'head_names' must list the {n_heads} heads (at least the {len(classes)} classes)"
+        )
+    if names[: len(classes)] != classes:
+        raise bad("the first head names must be the classes")
+    for name in names[len(classes) :]:
+        if name is not None and not (
+            isinstance(name, str) and (name in classes or _NOVEL_NAME.fullmatch(name))
+        ):
+            raise bad(f"head name {name!r} is neither a class nor a novel cluster (novel_N)")
+    try:
+        config = OrcaConfig.from_dict(meta["config"])
+    except (ValueError, TypeError) as e:
+        raise bad(f"its configuration is invalid ({e})") from None
+    net = OrcaNet(len(genes), n_heads, config.hidden_dims, config.dropout)
+    state = payload["state_dict"]
+    expected = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    if not isinstance(state, dict) or set(state) != set(expected):
+        raise bad("its weights are not those of an orca_sc network")
+    for k, shape in expected.items():
+        v = state[k]
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise bad(f"weight {k!r} has shape {got}, expected {shape} for {n_heads} heads")
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            raise bad(f"weight {k!r} holds NaN or infinite values")
+    centroids = payload["centroids"]
+    if not isinstance(centroids, torch.Tensor) or tuple(centroids.shape) != (
+        len(classes),
+        len(genes),
+    ):
+        raise bad("its class centroids do not match its classes and genes")
+    if not torch.isfinite(centroids).all():
+        raise bad("its class centroids hold NaN or infinite values")
+    net.load_state_dict(state)
+    net.eval()
+    return config, net, centroids.numpy()
 
 
 def _to_builtin(obj: Any) -> Any:

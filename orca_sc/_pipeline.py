@@ -63,12 +63,12 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
 
     Returns ``(model, annotation)``.
     """
+    device = resolve_device(cfg.device)  # options first, then the data
     data = prepare(adata, reference, labels_key, cfg)
     n_seen = len(data.classes)
     scale, offset, align_info = compute_transform(
         cfg.alignment, data.X, data.labels, data.domain, len(data.domain_names), n_seen
     )
-    device = resolve_device(cfg.device)
     cells = DeviceCSR(data.X, data.domain, scale, offset, device)
     plan, rand = schedule(data.n_cells, cfg), TrainRandom(cfg.seed, device)
 
@@ -294,7 +294,17 @@ def resolve_config(config: OrcaConfig | None, where: str, **options: Any) -> Orc
             "orca_sc.OrcaConfig and orca_sc.DiscoveryConfig."
         )
         raise TypeError(msg)
-    return (config if config is not None else OrcaConfig()).replace(**given)
+    base = config if config is not None else OrcaConfig()
+    epochs = given.get("epochs")
+    if "warmup_epochs" not in given and _is_count(epochs) and 1 <= epochs <= base.warmup_epochs:
+        # a run of fewer epochs than the default warm-up: shorten the warm-up, not refuse
+        given["warmup_epochs"] = epochs - 1
+        logger.info("epochs=%d: the supervised warm-up is shortened to %d.", epochs, epochs - 1)
+    return base.replace(**given)
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def check_output_path(path: Any, what: str) -> Any:

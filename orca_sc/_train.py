@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ._config import HEAD_SCALE, OrcaConfig
+from ._errors import ConfigError
 from .module import (
     OrcaNet,
     entropy_regularizer,
@@ -48,14 +49,16 @@ def resolve_device(device: str) -> torch.device:
         if mps is not None and mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        msg = f"device={device!r} was requested but no CUDA GPU is available; use device='cpu' or 'auto'."
-        raise ValueError(msg)
+    if device.startswith("cuda"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        if index >= n:
+            have = f"{n} CUDA GPU(s)" if n else "no CUDA GPU"
+            raise ConfigError("device", device, f"'cpu' or 'auto': this machine has {have}")
     if device == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            msg = "device='mps' was requested but MPS is not available; use device='cpu' or 'auto'."
-            raise ValueError(msg)
+            raise ConfigError("device", device, "'cpu' or 'auto': MPS is not available here")
     return torch.device(device)
 
 

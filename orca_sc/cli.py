@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -69,7 +70,7 @@ class _Group(click.Group):
 @contextmanager
 def _errors(ctx: click.Context):
     """Turn the package's input errors into one-line CLI errors (full traceback with --debug)."""
-    from ._data import OrcaInputError
+    from ._errors import ConfigError, OrcaInputError
     from ._train import TrainingDivergedError
 
     debug = ctx.find_root().params.get("debug", False)
@@ -80,6 +81,10 @@ def _errors(ctx: click.Context):
     except KeyboardInterrupt:
         click.echo("Interrupted; no output was written.", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    except ConfigError as e:
+        if debug:
+            raise
+        raise CliError(_option_message(ctx, e)) from None
     except (OrcaInputError, ValueError, KeyError) as e:
         if debug:
             raise
@@ -94,6 +99,27 @@ def _errors(ctx: click.Context):
             raise
         msg = f"unexpected {type(e).__name__}: {_message(e)} (run 'orca-sc --debug ...' for the traceback)"
         raise click.ClickException(msg) from None
+
+
+def _option_message(ctx: click.Context, e: Any) -> str:
+    """A :class:`~orca_sc._errors.ConfigError` in the command's own terms: the field and any
+    other field it names become the command-line options (``warmup_epochs=5`` -> ``--warmup-epochs
+    5``).
+    """
+    flags = {
+        p.name: p.opts[-1] for p in ctx.command.params if isinstance(p, click.Option) and p.name
+    }
+
+    def cli(text: str) -> str:
+        for name, flag in flags.items():
+            text = re.sub(rf"\b{name}=(\S+?)\b", rf"{flag} \1", text)
+        return text
+
+    value = e.value if isinstance(e.value, (int, float, str)) else repr(e.value)
+    name = flags.get(e.option)
+    if name is None:
+        return _message(e)
+    return " ".join(f"Invalid {name} {value}: expected {cli(e.expected)}.".split())
 
 
 def _message(e: BaseException) -> str:
@@ -134,6 +160,11 @@ def _read_h5ad(path: str, what: str):
     if p.is_dir():
         raise CliError(f"{what} path {path!r} is a directory; pass an .h5ad file.")
     try:
+        with open(p, "rb"):
+            pass
+    except OSError as e:
+        raise CliError(f"Cannot open {what.lower()} file {path!r}: {e.strerror}.") from None
+    try:
         adata = ad.read_h5ad(p)
     except Exception as e:  # noqa: BLE001 - any failure to parse means an unusable file
         msg = (
@@ -154,6 +185,8 @@ class _Outputs:
         self.claimed: dict[Path, str] = {}
 
     def claim(self, path: str | Path, what: str) -> Path:
+        if not str(path).strip():
+            raise CliError(f"{what} path is empty; give a file name or leave the option out.")
         p = Path(path)
         full = p.resolve()
         if full in self.claimed:
@@ -232,14 +265,10 @@ def _parse_n_novel(value: str) -> int | str:
 
 
 def _check_device(device: str) -> None:
+    from ._config import OrcaConfig
     from ._train import resolve_device
 
-    try:
-        resolve_device(device)
-    except ValueError as e:
-        raise CliError(
-            _message(e).replace("device=", "--device ").replace("'cpu' or 'auto'", "cpu or auto")
-        ) from None
+    resolve_device(OrcaConfig(device=device).device)  # ConfigError: reported as --device
 
 
 def _echo_summary(summary: dict, metrics: dict | None) -> None:
@@ -445,6 +474,12 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
 
     with _errors(ctx), _cli_logging(quiet):
         n_novel_v = _parse_n_novel(n_novel)
+        source = ctx.get_parameter_source("warmup_epochs")
+        if source is click.core.ParameterSource.DEFAULT and 1 <= epochs <= warmup_epochs:
+            warmup_epochs = epochs - 1  # a short run shortens the warm-up rather than failing
+            logger.info(
+                "--epochs %d: the supervised warm-up is shortened to %d.", epochs, epochs - 1
+            )
         if n_genes < 0:
             raise CliError(
                 f"--n-genes must be a non-negative integer (0: all shared genes), got {n_genes}."
@@ -466,9 +501,11 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
         )
         _check_device(device)
         outputs = _Outputs(overwrite, [reference, query])
-        out_path = outputs.claim(output or _default_output(query), "Output file")
-        model_path = outputs.claim(save_model, "Model file") if save_model else None
-        report_path = outputs.claim(report, "Report file") if report else None
+        out_path = outputs.claim(
+            output if output is not None else _default_output(query), "Output file"
+        )
+        model_path = outputs.claim(save_model, "Model file") if save_model is not None else None
+        report_path = outputs.claim(report, "Report file") if report is not None else None
 
         ref = _read_h5ad(reference, "Reference")
         adata = _read_h5ad(query, "Query")
@@ -530,8 +567,10 @@ def predict(
     with _errors(ctx), _cli_logging(quiet):
         _check_device(device)
         outputs = _Outputs(overwrite, [model, query])
-        out_path = outputs.claim(output or _default_output(query), "Output file")
-        report_path = outputs.claim(report, "Report file") if report else None
+        out_path = outputs.claim(
+            output if output is not None else _default_output(query), "Output file"
+        )
+        report_path = outputs.claim(report, "Report file") if report is not None else None
         m = OrcaModel.load(model)
         adata = _read_h5ad(query, "Query")
         _check_obs_key(adata, truth_key, "query", "--truth-key")

@@ -295,7 +295,7 @@ def test_bad_files_and_keys(files, tmp_path):
             _annotate_args(ref, query, tmp_path, "--n-novel", bad),
             f"--n-novel must be a non-negative integer or 'auto', got '{bad}'",
         )
-    check(_annotate_args(ref, query, tmp_path, "--epochs", "0"), "Invalid epochs=0")
+    check(_annotate_args(ref, query, tmp_path, "--epochs", "0"), "Invalid --epochs 0")
     check(_annotate_args(ref, query, tmp_path, "--epochs", "x"), "'x' is not a valid integer")
     if not torch.cuda.is_available():
         check(_annotate_args(ref, query, tmp_path, "--device", "cuda"), "no CUDA GPU")
