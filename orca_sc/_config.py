@@ -45,6 +45,12 @@ class DiscoveryConfig:
         the real tasks lose (the warm-up trains on 80% of the labels: PBMC cross-technology
         loses its novel B cluster at one seed, MCA and worm novel accuracy -4 to -5 points), so
         it is off by default (``0``: every labelled cell trains and the threshold is in-sample).
+    calibration_probe
+        With ``calibration_fraction > 0``: leave the held-out cells out of a second, probe
+        warm-up instead of the main one, and set the main threshold at the in-sample quantile
+        level at which the probe meets its held-out calibration (cross-fitting,
+        :func:`orca_sc._discover.probe_level`): every label trains the model, at the cost of one
+        more warm-up.
     resolution
         Leiden resolution of the candidate clusters, or ``"auto"``: the value of
         ``resolution_grid`` at which Leiden clusters of the labelled cells best match their
@@ -110,6 +116,7 @@ class DiscoveryConfig:
     ood_max_rate: float = 0.1
     calibration_fraction: float = 0.0
     calibration_max_cells: int = 2000
+    calibration_probe: bool = False
     resolution: float | str = "auto"
     resolution_grid: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
     fallback_resolution: float = 0.5
@@ -176,6 +183,8 @@ class DiscoveryConfig:
                 _invalid(name, getattr(self, name), "an integer >= 2")
         if not _is_int(self.support_min) or self.support_min < 0:
             _invalid("support_min", self.support_min, "a non-negative integer")
+        if not isinstance(self.calibration_probe, bool):
+            _invalid("calibration_probe", self.calibration_probe, "True or False")
         if not isinstance(self.hidden_novel, bool):
             _invalid("hidden_novel", self.hidden_novel, "True or False")
         thr = self.merge_threshold

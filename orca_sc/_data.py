@@ -280,24 +280,38 @@ def _encode(col: pd.Series, unlabeled: np.ndarray, classes: list[str]) -> np.nda
 def select_genes(
     X: sp.csr_matrix, genes: list[str], batches: np.ndarray, n_genes: int | None
 ) -> np.ndarray:
-    """Indices of ``n_genes`` highly variable genes (scanpy's seurat flavour, batch-aware)."""
+    """Indices of ``n_genes`` highly variable genes (scanpy's seurat flavour, batch-aware).
+
+    Batches of one cell have no dispersion and take no part in the ranking (scanpy's per-batch
+    ranking fails on them). Where scanpy cannot rank the genes at all (every dispersion
+    undefined, e.g. a handful of identical cells) the genes of highest variance are used.
+    """
     if n_genes is None or n_genes >= X.shape[1]:
         return np.arange(X.shape[1])
     import anndata as ad
     import scanpy as sc
 
-    tmp = ad.AnnData(X=X, var=pd.DataFrame(index=genes))
-    tmp.obs["batch"] = pd.Categorical(batches.astype(str))
+    _, codes, sizes = np.unique(batches, return_inverse=True, return_counts=True)
+    rows = sizes[codes] >= 2
+    if rows.all() or not rows.any():
+        rows = slice(None)
+    tmp = ad.AnnData(X=X[rows], var=pd.DataFrame(index=genes))
+    tmp.obs["batch"] = pd.Categorical(batches[rows].astype(str))
     use_batch = tmp.obs["batch"].nunique() > 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        sc.pp.highly_variable_genes(
-            tmp,
-            n_top_genes=n_genes,
-            flavor="seurat",
-            batch_key="batch" if use_batch else None,
-            subset=False,
-        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sc.pp.highly_variable_genes(
+                tmp,
+                n_top_genes=n_genes,
+                flavor="seurat",
+                batch_key="batch" if use_batch else None,
+                subset=False,
+            )
+    except (ValueError, IndexError):  # no gene has a defined dispersion
+        mean = np.asarray(X.mean(axis=0)).ravel()
+        var = np.asarray(X.multiply(X).mean(axis=0)).ravel() - mean**2
+        return np.sort(np.argsort(-var, kind="stable")[:n_genes])
     hv = tmp.var["highly_variable"].to_numpy()
     return np.flatnonzero(hv)
 
@@ -317,28 +331,31 @@ def prepare(
     of ``config.unlabeled_category``) are the reference and the other cells the query.
     """
     what_q = "query" if reference is not None else "AnnData"
+    # everything that can be checked without the matrices first: no work (and no warning about
+    # the values) before an error about the labels, genes, batches or options
     for obj, what in ((reference, "reference"), (adata, what_q)):
         if obj is not None and obj.n_obs == 0:
             msg = f"The {what} has no cells (n_obs = 0); pass an AnnData with at least one cell."
             raise OrcaInputError(msg)
     check_unique_genes(adata.var_names, what_q)
-    Xq = get_matrix(adata, config.layer, what_q)
-    Xq, scale_q = to_log_normalized(Xq, config.target_sum)
-    input_scale = {what_q: scale_q}
-
     if reference is None:
         col = _labels_column(adata, labels_key, what_q)
         unl = _is_unlabeled(col, config.unlabeled_category)
         classes = _class_order(col, ~unl)
         labels = _encode(col, unl, classes)
-        X = Xq
         genes = adata.var_names.astype(str).tolist()
+        if len(genes) < config.min_shared_genes:
+            msg = (
+                f"The {what_q} has {len(genes)} gene(s); ORCA needs at least "
+                f"{config.min_shared_genes} (min_shared_genes) to tell cell types apart. Pass the "
+                "full expression matrix."
+            )
+            raise OrcaInputError(msg)
         if config.batch_key is not None:
             domain_raw = batch_column(adata, config.batch_key, what_q)
         else:
             domain_raw = np.full(adata.n_obs, "data", dtype=object)
         output_rows = np.arange(adata.n_obs)
-        n_shared = len(genes)
     else:
         check_unique_genes(reference.var_names, "reference")
         col = _labels_column(reference, labels_key, "reference")
@@ -349,22 +366,13 @@ def prepare(
                 f"{list(config.unlabeled_category)}); pass a labelled reference."
             )
             raise OrcaInputError(msg)
-        Xr = get_matrix(reference, config.layer, "reference")
-        Xr, scale_r = to_log_normalized(Xr, config.target_sum)
-        input_scale["reference"] = scale_r
-        if unl.any():
-            logger.info("Dropping %d unlabelled reference cells.", int(unl.sum()))
         keep = np.flatnonzero(~unl)
         classes = _class_order(col, ~unl)
         ref_labels = _encode(col, unl, classes)[keep]
+        labels = np.concatenate([ref_labels, np.full(adata.n_obs, -1, dtype=np.int64)])
         genes = shared_genes(
             reference.var_names.astype(str), adata.var_names.astype(str), config.min_shared_genes
         )
-        n_shared = len(genes)
-        r_idx = reference.var_names.get_indexer(genes)
-        q_idx = adata.var_names.get_indexer(genes)
-        X = sp.vstack([Xr[keep][:, r_idx], Xq[:, q_idx]], format="csr", dtype=np.float32)
-        labels = np.concatenate([ref_labels, np.full(adata.n_obs, -1, dtype=np.int64)])
         if config.batch_key is not None:
             domain_raw = np.concatenate(
                 [
@@ -374,10 +382,26 @@ def prepare(
             )
         else:
             domain_raw = np.array(["reference"] * len(keep) + ["query"] * adata.n_obs, dtype=object)
-        output_rows = np.arange(len(keep), X.shape[0])
-
+        output_rows = np.arange(len(keep), len(labels))
     _check_labels(labels, classes, labels_key)
     _check_n_novel(config.n_novel, int((labels < 0).sum()), config.discovery.min_cluster_cells)
+    n_shared = len(genes)
+
+    Xq = get_matrix(adata, config.layer, what_q)
+    Xq, scale_q = to_log_normalized(Xq, config.target_sum)
+    input_scale = {what_q: scale_q}
+    if reference is None:
+        X = Xq
+    else:
+        Xr = get_matrix(reference, config.layer, "reference")
+        Xr, scale_r = to_log_normalized(Xr, config.target_sum)
+        input_scale["reference"] = scale_r
+        if unl.any():
+            logger.info("Dropping %d unlabelled reference cells.", int(unl.sum()))
+        r_idx = reference.var_names.get_indexer(genes)
+        q_idx = adata.var_names.get_indexer(genes)
+        X = sp.vstack([Xr[keep][:, r_idx], Xq[:, q_idx]], format="csr", dtype=np.float32)
+
     domain_names, domain = np.unique(domain_raw.astype(str), return_inverse=True)
     _check_expressed(X, domain, domain_names, config.batch_key)
     hv = select_genes(X, genes, domain, config.n_genes)

@@ -29,6 +29,7 @@ from ._discover import (
     match_known_types,
     name_heads,
     pca_embedding,
+    probe_level,
     subsample_rows,
 )
 from ._model import OrcaModel
@@ -77,10 +78,23 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     calib = calibration_split(
         data.labels, dc.calibration_fraction, dc.calibration_max_cells, cfg.seed
     )
+    probe = dc.calibration_probe and calib.any() and plan.warmup > 0
     t0 = time.perf_counter()
-    net, history = fit_warmup(cells, np.where(calib, -1, data.labels), n_seen, cfg, plan, rand)
+    held = np.zeros_like(calib) if probe else calib  # with a probe every label trains the net
+    net, history = fit_warmup(cells, np.where(held, -1, data.labels), n_seen, cfg, plan, rand)
+    level = None
+    if probe:  # cross-fitting: a second warm-up without the held-out cells calibrates the level
+        probe_net, _ = fit_warmup(
+            cells, np.where(calib, -1, data.labels), n_seen, cfg, plan,
+            TrainRandom(cfg.seed + 1, device),
+        )  # fmt: skip
+        lab = np.flatnonzero(data.labeled)
+        cos = _seen_maxcos(probe_net, cells, lab)
+        level = probe_level(cos, ~calib[lab], calib[lab], dc)
     t1 = time.perf_counter()
-    found, rows = _discover(net, cells, data, scale, offset, cfg, calib, warmed_up=plan.warmup > 0)
+    found, rows = _discover(
+        net, cells, data, scale, offset, cfg, held, warmed_up=plan.warmup > 0, ood_level=level
+    )
     t2 = time.perf_counter()
     novel = NovelHeads(found.prototypes, found.prior, rows[found.anchor_cells], found.anchor_heads)
     pairs = _pair_features(data, scale, offset, cfg)
@@ -158,8 +172,15 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     return model, annotation
 
 
+def _seen_maxcos(net, cells, idx: np.ndarray) -> np.ndarray:
+    """Each cell's (``idx``) best cosine to a seen head of ``net``."""
+    _, emb = infer(net, cells, idx)
+    seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
+    return (emb @ seen_w.T).max(axis=1)
+
+
 def _discover(
-    net, cells, data, scale, offset, cfg, calib, *, warmed_up
+    net, cells, data, scale, offset, cfg, calib, *, warmed_up, ood_level=None
 ) -> tuple[Discovery, np.ndarray]:
     """The discover stage on (at most ``discovery.max_cells``) cells ``rows``: returns what it
     found, with indices into ``rows``, and ``rows``.
@@ -187,6 +208,7 @@ def _discover(
         data.domain[rows],
         pca_of,
         calibration=calib[rows],
+        ood_level=ood_level,
         n_novel=cfg.n_novel,
         cfg=dc,
         seed=cfg.seed,

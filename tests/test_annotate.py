@@ -164,14 +164,26 @@ def test_config_object_and_keyword_overrides(small_sim):
         orca_sc.tl.annotate(small_sim, labels_key="lab", bogus=1, **FAST)
 
 
-def test_non_finite_loss_stops_training(small_sim):
+def test_non_finite_loss_stops_training(small_sim, monkeypatch):
+    import orca_sc._train as train
+
+    real = train.margin_cross_entropy
+    calls = []
+
+    def diverging(*args, **kwargs):  # the loss blows up on the fifth step
+        calls.append(1)
+        loss = real(*args, **kwargs)
+        return loss * float("inf") if len(calls) >= 5 else loss
+
+    monkeypatch.setattr(train, "margin_cross_entropy", diverging)
     with pytest.raises(TrainingDivergedError, match="lower the learning rate"):
-        orca_sc.tl.annotate(small_sim, labels_key="lab", lr=1e30, **FAST)
+        orca_sc.tl.annotate(small_sim, labels_key="lab", lr=1.0, **FAST)
+    assert "orca_label" not in small_sim.obs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_cuda_without_gpu_is_a_clear_error(small_sim):
-    with pytest.raises(ValueError, match="no CUDA GPU is available"):
+    with pytest.raises(OrcaInputError, match="Invalid device='cuda'.*no CUDA GPU"):
         orca_sc.tl.annotate(small_sim, labels_key="lab", device="cuda", **FAST)
 
 

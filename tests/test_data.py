@@ -42,7 +42,7 @@ def test_log_normalize_hand_computed_and_sparse():
 def test_bad_values_raise(value, match):
     X = np.ones((20, 150), dtype=np.float32)
     X[3, 4] = value
-    a = _adata(X, labels=["a"] * 10 + [None] * 10)
+    a = _adata(X, labels=["a"] * 5 + ["b"] * 5 + [None] * 10)
     with pytest.raises(OrcaInputError, match=match):
         prepare(a, None, "cell_type", OrcaConfig(n_genes=None))
 

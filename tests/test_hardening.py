@@ -4,9 +4,6 @@ One test per defect found by trying bad or unusual inputs as a new user would; t
 test at the end (``test_fuzz_*``) keeps the contract for inputs nobody listed.
 """
 
-import copy
-import warnings
-
 import anndata as ad
 import numpy as np
 import pandas as pd
@@ -171,7 +168,9 @@ def test_n_novel_beyond_the_cells_is_refused_before_training(monkeypatch):
     monkeypatch.setattr(pipeline, "fit_warmup", stop)
     ref, query = _split(n=300)
     n_query = query.n_obs
-    with pytest.raises(OrcaInputError, match=f"Invalid n_novel=1000000000: expected at most {n_query}"):
+    with pytest.raises(
+        OrcaInputError, match=f"Invalid n_novel=1000000000: expected at most {n_query}"
+    ):
         orca_sc.tl.annotate(query, ref, labels_key="cell_type", n_novel=10**9, **FAST)
     with pytest.warns(UserWarning, match="fewer than 5 cells per type"):
         with pytest.raises(Trained):  # the warning comes before training (stubbed out here)
@@ -184,7 +183,9 @@ def test_short_runs_shorten_the_warm_up():
     assert resolve_config(None, "t", epochs=2).warmup_epochs == 1
     assert resolve_config(None, "t", epochs=1).warmup_epochs == 0
     assert resolve_config(None, "t", epochs=6).warmup_epochs == 5  # default kept where it fits
-    with pytest.raises(OrcaInputError, match=r"Invalid warmup_epochs=3: expected smaller than epochs=2"):
+    with pytest.raises(
+        OrcaInputError, match=r"Invalid warmup_epochs=3: expected smaller than epochs=2"
+    ):
         resolve_config(None, "t", epochs=2, warmup_epochs=3)
 
 
@@ -206,7 +207,9 @@ def test_normalised_but_not_logged_is_refused():
             detect_scale(X[:, :60].tocsr())  # row sums no longer constant
         sc.pp.log1p(n)
         assert detect_scale(sp.csr_matrix(n.X, dtype=np.float32)) == "log-normalized"
-        assert detect_scale(sp.csr_matrix(n.X, dtype=np.float32)[:, :60].tocsr()) == "log-normalized"
+        assert (
+            detect_scale(sp.csr_matrix(n.X, dtype=np.float32)[:, :60].tocsr()) == "log-normalized"
+        )
 
 
 def test_real_log_normalised_data_are_read_as_such():
@@ -280,9 +283,7 @@ def test_caller_objects_untouched_by_a_run_except_the_documented_fields():
     assert_unchanged(query, snap_q)
     # single-AnnData mode on a dense float64 matrix with a layer
     single = ad.concat([ref, query[:100]], join="inner")
-    single.obs["cell_type"] = pd.Categorical(
-        list(ref.obs["cell_type"].astype(str)) + [None] * 100
-    )
+    single.obs["cell_type"] = pd.Categorical(list(ref.obs["cell_type"].astype(str)) + [None] * 100)
     single.layers["counts"] = single.X.toarray().astype(np.float64)
     snap = _snapshot(single)
     layer_before = single.layers["counts"].copy()
@@ -431,8 +432,14 @@ def pair(tmp_path_factory):
         (["--seed", "-1"], "Invalid --seed -1: expected an integer from 0"),
         (["--lr", "inf"], "Invalid --lr inf: expected a number in (0, 1]"),
         (["--lr", "1e30"], "Invalid --lr 1e+30"),
-        (["--epochs", "2", "--warmup-epochs", "5"], "Invalid --warmup-epochs 5: expected smaller than --epochs 2"),
-        (["--n-novel", "1000000000"], "Invalid --n-novel 1000000000: expected at most 244 (the number of cells"),
+        (
+            ["--epochs", "2", "--warmup-epochs", "5"],
+            "Invalid --warmup-epochs 5: expected smaller than --epochs 2",
+        ),
+        (
+            ["--n-novel", "1000000000"],
+            "Invalid --n-novel 1000000000: expected at most 244 (the number of cells",
+        ),
         (["--device", "cuda:3"], "Invalid --device cuda:3"),
         (["--batch-size", "1"], "Invalid --batch-size 1"),
         (["-o", ""], "Output file path is empty"),

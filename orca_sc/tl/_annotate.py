@@ -44,12 +44,19 @@ def annotate(
     Parameters
     ----------
     adata
-        Cells to annotate (raw counts or log-normalised values in ``.X`` or ``layer``). Modified in
-        place unless ``copy=True``.
+        Cells to annotate (raw counts or log-normalised values in ``.X`` or ``layer``). Only the
+        fields listed under Returns are written (nothing with ``copy=True``); the expression
+        matrices of ``adata`` and ``reference`` are never modified. Options are checked before
+        the data are read; bad input raises :class:`orca_sc.OrcaInputError` (a
+        :class:`ValueError`) saying what is wrong.
     reference
         Labelled reference AnnData; genes are matched by name.
     labels_key
-        ``obs`` column with the cell types.
+        ``obs`` column with the cell types. ``NaN``, ``None`` and the strings ``""``, ``"nan"``,
+        ``"none"``, ``"null"``, ``"<NA>"`` (any case, as a NaN looks once a column was turned
+        into strings) mean unlabelled, like ``unlabeled_category``. A class named like a
+        novel cluster (``novel_1``: an annotated query used as a reference) stays a known type;
+        the run's own novel clusters are numbered past it.
     n_novel
         Expected number of novel types, or ``"auto"`` (default) to estimate it from the data.
         Novel heads that receive no cells are dropped from the output.
