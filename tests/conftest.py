@@ -32,6 +32,18 @@ def record_returns(monkeypatch, module, name):
     return returned
 
 
+def assert_cli_error(result, *fragments):
+    """Exit code 2 and exactly one ``Error:`` line on stderr that contains every fragment; no
+    traceback.
+    """
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    assert "Traceback" not in result.output
+
+
 @pytest.fixture
 def small_sim():
     """A quick open-world problem: 3 seen + 2 novel well-separated types."""

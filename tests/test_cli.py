@@ -10,6 +10,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 from click.testing import CliRunner
+from conftest import assert_cli_error
 
 import orca_sc
 from orca_sc.cli import main
@@ -67,12 +68,7 @@ def _invoke(args):
 
 def assert_bad_input(result, *fragments, outdir=None, before=None):
     """Exit code 2, exactly one ``Error:`` line on stderr naming the problem, nothing written."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
-    assert "Traceback" not in result.output
+    assert_cli_error(result, *fragments)
     assert result.stdout == ""
     if outdir is not None:
         assert _files(outdir) == before
