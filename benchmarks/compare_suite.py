@@ -7,7 +7,8 @@ Usage: ``python benchmarks/compare_suite.py BEFORE.csv AFTER.csv``
 
 from __future__ import annotations
 
-import sys
+import argparse
+from pathlib import Path
 
 import pandas as pd
 
@@ -53,4 +54,11 @@ def table(before: pd.DataFrame, after: pd.DataFrame) -> str:
 
 
 if __name__ == "__main__":
-    print(table(pd.read_csv(sys.argv[1]), pd.read_csv(sys.argv[2])))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("before", type=Path, help="dev_suite.py CSV of the old rule")
+    ap.add_argument("after", type=Path, help="dev_suite.py CSV of the new rule")
+    args = ap.parse_args()
+    for p in (args.before, args.after):
+        if not p.is_file():
+            ap.error(f"{p} is not a file")
+    print(table(pd.read_csv(args.before), pd.read_csv(args.after)))
