@@ -47,10 +47,9 @@ class DiscoveryConfig:
         it is off by default (``0``: every labelled cell trains and the threshold is in-sample).
     calibration_probe
         With ``calibration_fraction > 0``: leave the held-out cells out of a second, probe
-        warm-up instead of the main one, and set the main threshold at the in-sample quantile
-        level at which the probe meets its held-out calibration (cross-fitting,
-        :func:`orca_sc._discover.probe_level`): every label trains the model, at the cost of one
-        more warm-up.
+        warm-up instead of the main one, and cap the main warm-up's threshold at the probe's
+        calibrated one (cross-fitting, :func:`orca_sc._discover.probe_threshold`): every label
+        trains the model, at the cost of one more warm-up.
     resolution
         Leiden resolution of the candidate clusters, or ``"auto"``: the value of
         ``resolution_grid`` at which Leiden clusters of the labelled cells best match their

@@ -628,16 +628,14 @@ def ood_threshold(
     train: np.ndarray,
     calibration: np.ndarray,
     cfg: DiscoveryConfig,
-    level: float | None = None,
 ) -> tuple[float, dict[str, float]]:
     """The out-of-distribution threshold on the best cosine to a seen head: the
-    ``cfg.ood_quantile`` (or ``level``) quantile of the labelled cells the warm-up trained on
+    ``cfg.ood_quantile`` quantile of the labelled cells the warm-up trained on
     (``train``), capped at the ``cfg.ood_max_rate`` quantile of labelled cells held out of it
     (``calibration``), so that a known-type cell the net has not seen is called
     out-of-distribution at most that often. Returns the threshold and both candidates.
     """
-    q = cfg.ood_quantile if level is None else level
-    tau_train = float(np.quantile(maxcos[train], q))
+    tau_train = float(np.quantile(maxcos[train], cfg.ood_quantile))
     if not calibration.any():
         return tau_train, {"threshold_in_sample": tau_train}
     tau_cal = float(np.quantile(maxcos[calibration], cfg.ood_max_rate))
@@ -647,17 +645,19 @@ def ood_threshold(
     }
 
 
-def probe_level(
+def probe_threshold(
     maxcos: np.ndarray, train: np.ndarray, held: np.ndarray, cfg: DiscoveryConfig
 ) -> float:
-    """Cross-fitted calibration (``cfg.calibration_probe``): on a probe warm-up that did not see
-    the ``held`` labelled cells, the share of its own training cells (``train``) below the
-    calibrated threshold (:func:`ood_threshold`). The main warm-up, trained on every label, is
-    as over-confident on its training cells as the probe is on its own, so this in-sample
-    quantile level carries the held-out calibration over without leaving labels out of it.
+    """Cross-fitted calibration (``cfg.calibration_probe``): the calibrated threshold
+    (:func:`ood_threshold`) of a probe warm-up that did not see the ``held`` labelled cells,
+    which caps the threshold of the main warm-up (trained on every label; the two are trained
+    alike, so their cosines are on one scale). Carrying over a quantile level instead does not
+    work: on few labels the held-out cells' ``ood_max_rate`` quantile lies below every training
+    cell's cosine (level 0 on the development suite's 200-cell references), so no in-sample
+    quantile can express it.
     """
     tau, _ = ood_threshold(maxcos, train, held, cfg)
-    return float(np.mean(maxcos[train] < tau))
+    return tau
 
 
 def discover(
@@ -668,7 +668,7 @@ def discover(
     pca_of: Callable[[np.ndarray], np.ndarray],
     *,
     calibration: np.ndarray | None = None,
-    ood_level: float | None = None,
+    ood_cap: float | None = None,
     n_novel: int | str = "auto",
     cfg: DiscoveryConfig = _DEFAULTS,
     seed: int = 0,
@@ -682,8 +682,8 @@ def discover(
     the cells ``idx`` (called per batch and per class, so each set of cells gets its own axes);
     ``calibration``: labelled cells the warm-up did not train on (:func:`calibration_split`),
     which cap the out-of-distribution threshold (:func:`ood_threshold`; without them it is
-    taken on the labelled cells alone); ``ood_level``: the quantile of the labelled cells that
-    sets the threshold instead of ``cfg.ood_quantile`` (:func:`probe_level`).
+    taken on the labelled cells alone); ``ood_cap``: a threshold calibrated elsewhere that
+    caps it (:func:`probe_threshold`).
 
     Candidates are clusters of unlabelled cells the seen heads do not explain
     (:func:`ood_clusters`; in batches without labelled cells :func:`query_ood_clusters`), and
@@ -752,9 +752,10 @@ def discover(
         labels, pca_cells, seed=seed, calibrate=bool((~lab & ~query).any()), cfg=cfg
     )
     calib = np.zeros_like(lab) if calibration is None else calibration & lab
-    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg, level=ood_level)
-    if ood_level is not None:
-        tau_info["probe_level"] = ood_level
+    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
+    if ood_cap is not None:
+        tau_info["threshold_probe"] = ood_cap
+        tau = min(tau, ood_cap)
     assign, sizes, tau = ood_clusters(
         maxcos,
         lab,
@@ -840,7 +841,7 @@ def discover(
     notes = []
     n_cal = int(calib.sum())
     per_class = np.bincount(labels[lab], minlength=n_seen)
-    if cfg.calibration_fraction > 0 and ood_level is None and n_cal * cfg.ood_max_rate < 1:
+    if cfg.calibration_fraction > 0 and ood_cap is None and n_cal * cfg.ood_max_rate < 1:
         notes.append(
             f"Only {n_cal} labelled cells were held out to calibrate the out-of-distribution "
             f"threshold (fewer than 1/ood_max_rate = {1 / cfg.ood_max_rate:.0f}): the share of "

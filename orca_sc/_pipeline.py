@@ -29,7 +29,7 @@ from ._discover import (
     match_known_types,
     name_heads,
     pca_embedding,
-    probe_level,
+    probe_threshold,
     subsample_rows,
 )
 from ._model import OrcaModel
@@ -82,18 +82,18 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     t0 = time.perf_counter()
     held = np.zeros_like(calib) if probe else calib  # with a probe every label trains the net
     net, history = fit_warmup(cells, np.where(held, -1, data.labels), n_seen, cfg, plan, rand)
-    level = None
-    if probe:  # cross-fitting: a second warm-up without the held-out cells calibrates the level
+    cap = None
+    if probe:  # cross-fitting: a second warm-up without the held-out cells caps the threshold
         probe_net, _ = fit_warmup(
             cells, np.where(calib, -1, data.labels), n_seen, cfg, plan,
             TrainRandom(cfg.seed + 1, device),
         )  # fmt: skip
         lab = np.flatnonzero(data.labeled)
         cos = _seen_maxcos(probe_net, cells, lab)
-        level = probe_level(cos, ~calib[lab], calib[lab], dc)
+        cap = probe_threshold(cos, ~calib[lab], calib[lab], dc)
     t1 = time.perf_counter()
     found, rows = _discover(
-        net, cells, data, scale, offset, cfg, held, warmed_up=plan.warmup > 0, ood_level=level
+        net, cells, data, scale, offset, cfg, held, warmed_up=plan.warmup > 0, ood_cap=cap
     )
     t2 = time.perf_counter()
     novel = NovelHeads(found.prototypes, found.prior, rows[found.anchor_cells], found.anchor_heads)
@@ -180,7 +180,7 @@ def _seen_maxcos(net, cells, idx: np.ndarray) -> np.ndarray:
 
 
 def _discover(
-    net, cells, data, scale, offset, cfg, calib, *, warmed_up, ood_level=None
+    net, cells, data, scale, offset, cfg, calib, *, warmed_up, ood_cap=None
 ) -> tuple[Discovery, np.ndarray]:
     """The discover stage on (at most ``discovery.max_cells``) cells ``rows``: returns what it
     found, with indices into ``rows``, and ``rows``.
@@ -208,7 +208,7 @@ def _discover(
         data.domain[rows],
         pca_of,
         calibration=calib[rows],
-        ood_level=ood_level,
+        ood_cap=ood_cap,
         n_novel=cfg.n_novel,
         cfg=dc,
         seed=cfg.seed,

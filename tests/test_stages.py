@@ -209,6 +209,34 @@ def test_few_labels_are_flagged_and_calibration_keeps_known_types_known():
     assert off["known_called_novel"] > r["known_called_novel"]
 
 
+def test_probe_calibration_trains_on_every_label(monkeypatch):
+    """``calibration_probe``: the main warm-up trains on every labelled cell; a second warm-up
+    without the held-out cells calibrates a threshold that caps the main one. On the few-label
+    task the in-sample threshold is too high (known cells called novel), the probe's is lower,
+    and fewer known-type cells are called novel than with the default.
+    """
+    import orca_sc._pipeline as pipeline
+
+    n_labelled = []
+    real = pipeline.fit_warmup
+
+    def spy(cells, labels, *args, **kwargs):
+        n_labelled.append(int((labels >= 0).sum()))
+        return real(cells, labels, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "fit_warmup", spy)
+    task = _sim_task(n_ref=200, n_query=150)
+    off, _ = _run(task)
+    assert len(n_labelled) == 1
+    probe, u = _run(task, calibration_fraction=0.2, calibration_probe=True)
+    main, held_out = n_labelled[1:]
+    assert main == n_labelled[0] and held_out < main  # every label trains the main warm-up
+    est = u["estimate"]
+    assert est["threshold_probe"] < est["threshold_in_sample"]
+    assert est["threshold"] == est["threshold_probe"]
+    assert probe["known_called_novel"] < off["known_called_novel"]
+
+
 def test_small_corners_of_the_sweep():
     """A 150-cell query (~12 cells per type) keeps seen accuracy; two well-separated novel
     types give two clusters; a query with no novel type gives no novel cluster.
