@@ -86,12 +86,6 @@ def get_matrix(adata: Any, layer: str | None, what: str) -> sp.csr_matrix:
             X.sum_duplicates()
     else:
         arr = np.asarray(X)
-        if arr.dtype.kind not in "biuf":
-            msg = (
-                f"The {what} {source} has dtype {arr.dtype}; expression values must be numbers. "
-                "Convert them, e.g. adata.X = adata.X.astype('float32')."
-            )
-            raise OrcaInputError(msg)
         _check_values(arr.ravel(), f"{what} {source}")
         X = sp.csr_matrix(arr, dtype=np.float32)
     if X.nnz == 0:

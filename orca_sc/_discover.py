@@ -624,16 +624,13 @@ def calibration_split(
 
 
 def ood_threshold(
-    maxcos: np.ndarray,
-    train: np.ndarray,
-    calibration: np.ndarray,
-    cfg: DiscoveryConfig,
+    maxcos: np.ndarray, train: np.ndarray, calibration: np.ndarray, cfg: DiscoveryConfig
 ) -> tuple[float, dict[str, float]]:
     """The out-of-distribution threshold on the best cosine to a seen head: the
-    ``cfg.ood_quantile`` quantile of the labelled cells the warm-up trained on
-    (``train``), capped at the ``cfg.ood_max_rate`` quantile of labelled cells held out of it
-    (``calibration``), so that a known-type cell the net has not seen is called
-    out-of-distribution at most that often. Returns the threshold and both candidates.
+    ``cfg.ood_quantile`` of the labelled cells the warm-up trained on (``train``), capped at the
+    ``cfg.ood_max_rate`` quantile of labelled cells held out of it (``calibration``), so that a
+    known-type cell the net has not seen is called out-of-distribution at most that often.
+    Returns the threshold and both candidates.
     """
     tau_train = float(np.quantile(maxcos[train], cfg.ood_quantile))
     if not calibration.any():

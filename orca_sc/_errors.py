@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -20,3 +21,23 @@ class ConfigError(OrcaInputError):
         self.value = value
         self.expected = expected
         super().__init__(f"Invalid {option}={value!r}: expected {expected}.")
+
+
+def check_input_file(path: str | Path, what: str, expected: str) -> Path:
+    """``path`` as a :class:`~pathlib.Path` if it is a file this process can open; otherwise an
+    :class:`OrcaInputError` that says which of the three it is (missing, a directory,
+    unreadable). ``what`` names the file ("Model", "Query"); ``expected`` what to pass instead
+    of a directory ("an .h5ad file").
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise OrcaInputError(f"{what} path {str(p)!r} is a directory; pass {expected}.")
+    if not p.is_file():
+        raise OrcaInputError(f"{what} file {str(p)!r} does not exist.")
+    try:
+        with open(p, "rb"):
+            pass
+    except OSError as e:
+        msg = f"Cannot open {what.lower()} file {str(p)!r}: {e.strerror or type(e).__name__}."
+        raise OrcaInputError(msg) from None
+    return p

@@ -24,6 +24,7 @@ from ._data import (
     get_matrix,
     to_log_normalized,
 )
+from ._errors import check_input_file
 from ._train import DeviceCSR, infer, resolve_device
 from .module import OrcaNet
 
@@ -277,19 +278,7 @@ class OrcaModel:
         names that are not strings, a head count that does not match the weights) or whose
         weights are not finite: such a model could only give wrong labels.
         """
-        path = Path(path)
-        if path.is_dir():
-            msg = f"Model path {str(path)!r} is a directory; pass the model file (e.g. model.pt)."
-            raise OrcaInputError(msg)
-        if not path.is_file():
-            msg = f"Model file {str(path)!r} does not exist."
-            raise OrcaInputError(msg)
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as e:
-            msg = f"Cannot open model file {str(path)!r}: {e.strerror or type(e).__name__}."
-            raise OrcaInputError(msg) from None
+        path = check_input_file(path, "Model", "the model file (e.g. model.pt)")
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch's notes on foreign pickle protocols

@@ -19,7 +19,7 @@ import torch
 
 from . import __version__
 from ._align import aligned_group_means, class_centroids, compute_transform, profile_similarity
-from ._config import DISCOVERY_FIELDS, OrcaConfig
+from ._config import DISCOVERY_FIELDS, OrcaConfig, _is_int
 from ._data import OrcaInputError, prepare
 from ._discover import (
     Discovery,
@@ -89,7 +89,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
             TrainRandom(cfg.seed + 1, device),
         )  # fmt: skip
         lab = np.flatnonzero(data.labeled)
-        cos = _seen_maxcos(probe_net, cells, lab)
+        cos = _seen_similarity(probe_net, cells, lab)[1].max(axis=1)
         cap = probe_threshold(cos, ~calib[lab], calib[lab], dc)
     t1 = time.perf_counter()
     found, rows = _discover(
@@ -172,11 +172,13 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     return model, annotation
 
 
-def _seen_maxcos(net, cells, idx: np.ndarray) -> np.ndarray:
-    """Each cell's (``idx``) best cosine to a seen head of ``net``."""
+def _seen_similarity(net, cells, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The L2-normalised embedding of the cells ``idx`` ``(n, D)`` and their cosine to each seen
+    head of ``net`` ``(n, n_seen)`` (the net has no novel heads yet).
+    """
     _, emb = infer(net, cells, idx)
     seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
-    return (emb @ seen_w.T).max(axis=1)
+    return emb, emb @ seen_w.T
 
 
 def _discover(
@@ -199,11 +201,10 @@ def _discover(
             data.labels[rows], pca_of, dim, n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed
         )
         return found, rows
-    _, emb = infer(net, cells, rows)  # (n_rows, D), L2-normalised
-    seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
+    emb, seen_similarity = _seen_similarity(net, cells, rows)
     found = discover(
         emb,
-        emb @ seen_w.T,  # (n_rows, n_seen) cosine to each seen head
+        seen_similarity,
         data.labels[rows],
         data.domain[rows],
         pca_of,
@@ -318,15 +319,11 @@ def resolve_config(config: OrcaConfig | None, where: str, **options: Any) -> Orc
         raise TypeError(msg)
     base = config if config is not None else OrcaConfig()
     epochs = given.get("epochs")
-    if "warmup_epochs" not in given and _is_count(epochs) and 1 <= epochs <= base.warmup_epochs:
+    if "warmup_epochs" not in given and _is_int(epochs) and 1 <= epochs <= base.warmup_epochs:
         # a run of fewer epochs than the default warm-up: shorten the warm-up, not refuse
         given["warmup_epochs"] = epochs - 1
         logger.info("epochs=%d: the supervised warm-up is shortened to %d.", epochs, epochs - 1)
     return base.replace(**given)
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def check_output_path(path: Any, what: str) -> Any:

@@ -154,16 +154,9 @@ def _cli_logging(quiet: bool):
 def _read_h5ad(path: str, what: str):
     import anndata as ad
 
-    p = Path(path)
-    if not p.exists():
-        raise CliError(f"{what} file {path!r} does not exist.")
-    if p.is_dir():
-        raise CliError(f"{what} path {path!r} is a directory; pass an .h5ad file.")
-    try:
-        with open(p, "rb"):
-            pass
-    except OSError as e:
-        raise CliError(f"Cannot open {what.lower()} file {path!r}: {e.strerror}.") from None
+    from ._errors import check_input_file
+
+    p = check_input_file(path, what, "an .h5ad file")
     try:
         adata = ad.read_h5ad(p)
     except Exception as e:  # noqa: BLE001 - any failure to parse means an unusable file
@@ -468,30 +461,28 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
       orca-sc annotate ref.h5ad query.h5ad --labels-key cell_type -o out.h5ad \\
           --n-novel 3 --save-model model.pt --truth-key true_type --report report.json
     """
-    from ._config import OrcaConfig
-    from ._pipeline import fit
+    from ._pipeline import DEFAULT, fit, resolve_config
     from .tl._annotate import write_annotation
 
     with _errors(ctx), _cli_logging(quiet):
         n_novel_v = _parse_n_novel(n_novel)
-        source = ctx.get_parameter_source("warmup_epochs")
-        if source is click.core.ParameterSource.DEFAULT and 1 <= epochs <= warmup_epochs:
-            warmup_epochs = epochs - 1  # a short run shortens the warm-up rather than failing
-            logger.info(
-                "--epochs %d: the supervised warm-up is shortened to %d.", epochs, epochs - 1
-            )
         if n_genes < 0:
             raise CliError(
                 f"--n-genes must be a non-negative integer (0: all shared genes), got {n_genes}."
             )
-        cfg = OrcaConfig(
+        # --warmup-epochs left at its default counts as not given: a short --epochs run then
+        # shortens the warm-up (resolve_config's rule) instead of failing
+        default = ctx.get_parameter_source("warmup_epochs") is click.core.ParameterSource.DEFAULT
+        cfg = resolve_config(
+            None,
+            "orca-sc annotate",
             n_novel=n_novel_v,
             n_genes=n_genes or None,
             layer=layer,
             batch_key=batch_key,
             unlabeled_category=tuple(unlabeled_category),
             epochs=epochs,
-            warmup_epochs=warmup_epochs,
+            warmup_epochs=DEFAULT if default else warmup_epochs,
             min_steps=min_steps,
             batch_size=batch_size,
             lr=lr,

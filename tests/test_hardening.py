@@ -391,18 +391,20 @@ def test_damaged_model_files_are_refused(change, trained, tmp_path):
 def test_model_paths_that_cannot_be_read(trained, tmp_path, monkeypatch):
     r = _invoke(["predict", tmp_path, trained / "q.h5ad", "-o", tmp_path / "p.h5ad"])
     assert_cli_error(r, "is a directory; pass the model file")
-    import orca_sc._model as model_module
+    import orca_sc._errors as errors_module
 
-    def denied(path, *args, **kwargs):
-        raise PermissionError(13, "Permission denied", str(path))
+    def denied_to(suffix):
+        def denied(path, *args, **kwargs):
+            if str(path).endswith(suffix):
+                raise PermissionError(13, "Permission denied", str(path))
+            return open(path, *args, **kwargs)
 
-    monkeypatch.setattr(model_module, "open", denied, raising=False)
+        return denied
+
+    monkeypatch.setattr(errors_module, "open", denied_to(".pt"), raising=False)
     r = _invoke(["predict", trained / "model.pt", trained / "q.h5ad", "-o", tmp_path / "p.h5ad"])
     assert_cli_error(r, "Cannot open model file", "Permission denied")
-    monkeypatch.undo()
-    import orca_sc.cli as cli_module
-
-    monkeypatch.setattr(cli_module, "open", denied, raising=False)
+    monkeypatch.setattr(errors_module, "open", denied_to(".h5ad"), raising=False)
     r = _invoke(["predict", trained / "model.pt", trained / "q.h5ad", "-o", tmp_path / "p.h5ad"])
     assert_cli_error(r, "Cannot open query file", "Permission denied")
     assert not (tmp_path / "p.h5ad").exists()

@@ -27,13 +27,19 @@ def _blobs(n_per=60, n_types=5, dim=8, seed=0):
     return x, truth, labels
 
 
-def test_discover_on_arrays_returns_the_documented_fields():
-    x, truth, labels = _blobs()
+def _discover_blobs(x, labels, **kwargs):
+    """``discover`` on :func:`_blobs` in one batch, with the seen "heads" the labelled class
+    means (novel cells are far from all of them) and the blobs themselves as the PCA.
+    """
     emb = x / np.linalg.norm(x, axis=1, keepdims=True)
-    # seen "heads": the labelled class means; novel cells are far from all of them
     heads = np.stack([emb[labels == k].mean(0) for k in range(3)])
     heads /= np.linalg.norm(heads, axis=1, keepdims=True)
-    found = discover(emb, emb @ heads.T, labels, np.zeros_like(labels), lambda idx: x[idx])
+    return discover(emb, emb @ heads.T, labels, np.zeros_like(labels), lambda i: x[i], **kwargs)
+
+
+def test_discover_on_arrays_returns_the_documented_fields():
+    x, truth, labels = _blobs()
+    found = _discover_blobs(x, labels)
     assert isinstance(found, Discovery)
     with pytest.raises(AttributeError):  # frozen
         found.n_novel = 3
@@ -49,16 +55,11 @@ def test_discover_on_arrays_returns_the_documented_fields():
     assert (found.anchor_heads >= 3).all() and found.anchor_cells.size == found.anchor_heads.size
     assert found.diagnostics["n_novel"] == 2 and "resolution" in found.diagnostics
     # n_novel given above the estimate: extra heads start at random directions
-    more = discover(emb, emb @ heads.T, labels, np.zeros_like(labels), lambda i: x[i], n_novel=4)
+    more = _discover_blobs(x, labels, n_novel=4)
     assert more.n_heads == 4 and more.n_novel == 2
     # every knob of the stage is a DiscoveryConfig field: none at all -> no hidden sub-clusters
-    off = discover(
-        emb,
-        emb @ heads.T,
-        labels,
-        np.zeros_like(labels),
-        lambda i: x[i],
-        cfg=DiscoveryConfig(hidden_novel=False, min_cluster_cells=1000),
+    off = _discover_blobs(
+        x, labels, cfg=DiscoveryConfig(hidden_novel=False, min_cluster_cells=1000)
     )
     assert off.n_novel == 0 and off.diagnostics["min_cluster_size"] == 1000
 
@@ -71,20 +72,10 @@ def test_discovery_n_neighbors_reaches_every_graph(monkeypatch):
     import orca_sc._discover as D
 
     x, _, labels = _blobs()
-    emb = x / np.linalg.norm(x, axis=1, keepdims=True)
-    heads = np.stack([emb[labels == k].mean(0) for k in range(3)])
-    heads /= np.linalg.norm(heads, axis=1, keepdims=True)
     used = []
     orig = D.knn_graph
     monkeypatch.setattr(D, "knn_graph", lambda e, k=15: used.append(k) or orig(e, k))
-    found = discover(
-        emb,
-        emb @ heads.T,
-        labels,
-        np.zeros_like(labels),
-        lambda idx: x[idx],
-        cfg=DiscoveryConfig(n_neighbors=7),
-    )
+    found = _discover_blobs(x, labels, cfg=DiscoveryConfig(n_neighbors=7))
     assert found.n_novel == 2
     assert len(used) >= 3 and set(used) == {7}
 
