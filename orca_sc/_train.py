@@ -20,15 +20,14 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
-from ._config import HEAD_SCALE, OrcaConfig
+from ._config import OrcaConfig
 from ._errors import ConfigError
 from .module import (
     OrcaNet,
-    entropy_regularizer,
+    adaptive_margin,
     joint_cosine_features,
     margin_cross_entropy,
-    pairwise_loss,
-    select_pairs,
+    orca_objective,
 )
 
 logger = logging.getLogger(__name__)
@@ -266,12 +265,9 @@ def _run_epochs(
     for epoch in bar:
         t_epoch = time.perf_counter()
         u = mean_uncertainty(net, data, unl_t)
-        if config.margin == "adaptive":
-            margin = min(config.lam * u, config.max_margin)
-        elif config.margin == "fixed":
-            margin = config.fixed_margin
-        else:
-            margin = 0.0
+        margin = adaptive_margin(
+            config.margin, u, config.lam, config.max_margin, config.fixed_margin
+        )
         anchored = y_anchor is not None and epoch < plan.warmup + plan.anchor
         net.train()
         # mini-batches mix labelled and unlabelled cells in proportion; balanced sizes, so the
@@ -330,32 +326,39 @@ def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anch
     not candidates). Returns ``(loss, supervised, pairwise, regulariser, anchor)``.
     """
     logits, feat = net(x)  # (B, K), (B, D)
-    lab = y >= 0
     zero = logits.sum() * 0.0
-    sup = (
-        margin_cross_entropy(logits[lab], y[lab], margin, HEAD_SCALE) if config.supervised else zero
-    )
     if not full:
+        lab = y >= 0
+        sup = margin_cross_entropy(logits[lab], y[lab], margin) if config.supervised else zero
         return sup, sup, zero, zero, zero
     anchored = y_anchor >= 0 if y_anchor is not None else None
     if anchored is not None and bool(anchored.any()):
         anchor = F.cross_entropy(logits[anchored], y_anchor[anchored])
     else:
         anchor = zero
-    prob = F.softmax(logits, dim=1)
     logits2, _ = net(x)  # second view: another dropout mask
-    prob2 = F.softmax(logits2, dim=1)
     if pair_feats is None:  # pair_space="embedding"
         space = feat
     elif config.pair_space == "both":
         space = joint_cosine_features(pair_feats, feat)
     else:
         space = pair_feats
-    pair_idx = select_pairs(space, y, gen, mutual=config.mutual_pairs)
-    pair = pairwise_loss(prob, prob2[pair_idx])
-    reg = entropy_regularizer(prob, prior) if config.regularizer else zero
-    loss = sup + config.eta1 * pair + config.eta2 * reg + config.anchor_weight * anchor
-    return loss, sup, pair, reg, anchor
+    terms = orca_objective(
+        logits,
+        logits2,
+        space,
+        y,
+        margin,
+        eta1=config.eta1,
+        eta2=config.eta2,
+        prior=prior,
+        generator=gen,
+        mutual=config.mutual_pairs,
+        supervised=config.supervised,
+        regularizer=config.regularizer,
+    )
+    loss = terms.loss + config.anchor_weight * anchor
+    return loss, terms.supervised, terms.pairwise, terms.regularizer, anchor
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -183,3 +184,70 @@ def select_pairs(
     has_partner = same.any(dim=1)
     partner = torch.where(has_partner, partner, self_idx)
     return torch.where(lab, partner, nn_idx) if n > 1 else self_idx
+
+
+# --------------------------------------------------------------------------------------------
+# the whole objective: one implementation for single-cell and vision
+# --------------------------------------------------------------------------------------------
+def adaptive_margin(
+    mode: str, uncertainty: float, lam: float = 1.0, max_margin: float = 0.5, fixed: float = 0.5
+) -> float:
+    """The margin of the supervised term for one epoch (paper Eq. 3-4).
+
+    ``"adaptive"``: ``min(lam * uncertainty, max_margin)`` with ``uncertainty`` the mean
+    ``1 - max softmax`` of the unlabelled examples (the reference code caps it at 0.5);
+    ``"fixed"``: ``fixed`` (ORCA-FNM, 0.5 in the paper); ``"zero"``: 0 (ORCA-ZM).
+    """
+    if mode == "adaptive":
+        return min(lam * uncertainty, max_margin)
+    if mode == "fixed":
+        return fixed
+    if mode == "zero":
+        return 0.0
+    raise ValueError(f"margin mode must be 'adaptive', 'fixed' or 'zero', not {mode!r}")
+
+
+class ObjectiveTerms(NamedTuple):
+    """``loss = supervised + eta1 * pairwise + eta2 * regularizer`` and its terms (0-d tensors)."""
+
+    loss: torch.Tensor
+    supervised: torch.Tensor
+    pairwise: torch.Tensor
+    regularizer: torch.Tensor
+
+
+def orca_objective(
+    logits: torch.Tensor,
+    logits_pair: torch.Tensor,
+    pair_space: torch.Tensor,
+    labels: torch.Tensor,
+    margin: float,
+    *,
+    eta1: float = 1.0,
+    eta2: float = 1.0,
+    prior: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    mutual: int = 0,
+    supervised: bool = True,
+    regularizer: bool = True,
+    scale: float = HEAD_SCALE,
+) -> ObjectiveTerms:
+    """ORCA's objective on one mini-batch (paper Eq. 1): margin cross-entropy on the labelled
+    examples, pairwise term on each example's positive partner, regulariser of the mean prediction.
+
+    ``logits`` ``(B, K)`` from one forward pass; ``logits_pair`` ``(B, K)`` from a second one (another
+    dropout mask for cells, another augmented view for images): each example's prediction is
+    compared with its partner's prediction in the second pass. ``pair_space`` ``(B, P)``: where
+    unlabelled examples look for their nearest neighbour (:func:`select_pairs`); ``labels`` ``(B,)``
+    class index, ``-1`` for unlabelled. Used unchanged by the single-cell trainer and by
+    :mod:`orca_sc.vision`.
+    """
+    zero = logits.sum() * 0.0
+    lab = labels >= 0
+    sup = margin_cross_entropy(logits[lab], labels[lab], margin, scale) if supervised else zero
+    prob = F.softmax(logits, dim=1)
+    prob2 = F.softmax(logits_pair, dim=1)
+    pair_idx = select_pairs(pair_space, labels, generator, mutual=mutual)
+    pair = pairwise_loss(prob, prob2[pair_idx])
+    reg = entropy_regularizer(prob, prior) if regularizer else zero
+    return ObjectiveTerms(sup + eta1 * pair + eta2 * reg, sup, pair, reg)
