@@ -850,5 +850,13 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
     click.echo(f"Wrote {out}/: " + ", ".join(sorted(p.name for p in paths.values())))
 
 
+def _register_vision() -> None:
+    from ._cli_vision import vision
+
+    main.add_command(vision)
+
+
+_register_vision()
+
 if __name__ == "__main__":  # pragma: no cover
     main()

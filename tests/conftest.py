@@ -1,3 +1,5 @@
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -70,3 +72,46 @@ def rare_in_reference(n_rare=15, seed=0):
     ref = (b == "batch_0") & (t != "type_5")
     ref[np.flatnonzero(ref & (t == "type_3"))[n_rare:]] = False
     return a[ref].copy(), a[b == "batch_1"].copy()
+
+
+# ------------------------------------------------ a local HTTP server for the downloader tests
+class _Handler(BaseHTTPRequestHandler):
+    files: dict = {}
+    cut: dict = {}  # path -> bytes to send before dropping the connection (once)
+    requests: list = []
+
+    def log_message(self, *args):  # keep test output clean
+        pass
+
+    def do_GET(self):
+        data = self.files.get(self.path)
+        rng = self.headers.get("Range")
+        self.requests.append((self.path, rng))
+        if data is None:
+            self.send_error(404, "Not Found")
+            return
+        start = int(rng.split("=")[1].rstrip("-")) if rng else 0
+        body = data[start:]
+        self.send_response(206 if rng else 200)
+        self.send_header("Content-Length", str(len(body)))
+        if rng:
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.end_headers()
+        n = self.cut.pop(self.path, None)
+        if n is not None:  # drop the connection part-way
+            self.wfile.write(body[:n])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def server():
+    _Handler.files, _Handler.cut, _Handler.requests = {}, {}, []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()

@@ -323,13 +323,19 @@ def fetch(
 def load(name: str | Manifest, *, cache_dir: str | Path | None = None, progress: bool = True):
     """Load a dataset listed in ``data_manifests/`` as AnnData, downloading it on first use.
 
-    Datasets bundled with a dependency (``pbmc68k_reduced``) load from there. For datasets that
+    Datasets bundled with a dependency (``pbmc68k_reduced``) load from there. Image datasets
+    (``cifar10``, ``cifar100``, ``digits``) load as :class:`orca_sc.vision.ImageData` (see
+    :func:`orca_sc.vision.load_images`; ImageNet-100 needs its ``data_dir``). For datasets that
     are not a single ``.h5ad`` (the Tabula Muris 2018 CSV/10x archives) use :func:`fetch`, which
     returns the local file paths.
     """
     import anndata as ad
 
     m = name if isinstance(name, Manifest) else get_manifest(name)
+    if m.raw.get("kind") == "images":  # CIFAR, digits, ImageNet-100: orca_sc.vision's loader
+        from ..vision import load_images
+
+        return load_images(m.name, cache_dir=cache_dir)
     if m.builtin == "scanpy.datasets.pbmc68k_reduced":
         import scanpy as sc
 

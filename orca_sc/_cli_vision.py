@@ -1,0 +1,266 @@
+"""``orca-sc vision pretrain | train | evaluate``: the paper's image benchmarks from the shell.
+
+Registered on the ``orca-sc`` group by :mod:`orca_sc.cli`; torch and :mod:`orca_sc.vision` are
+imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .cli import CliError, _cli_logging, _Command, _errors, _Group
+
+_DATASET_HELP = "cifar10, cifar100, imagenet100 (with --data-dir), digits or npz:PATH."
+_ARCHS = ("small", "resnet18", "resnet50")
+
+
+def _common(f):
+    opts = [
+        click.option("--dataset", required=True, help=_DATASET_HELP),
+        click.option(
+            "--data-dir", default=None, help="ImageNet-100 root with train/<wnid>/ and val/<wnid>/."
+        ),
+        click.option(
+            "--cache-dir", default=None, help="Download cache (default $ORCA_SC_DATA or ~/.cache)."
+        ),
+        click.option(
+            "--arch",
+            type=click.Choice(_ARCHS),
+            default=None,
+            help="Backbone (default: resnet18 for CIFAR, resnet50 for ImageNet-100, small otherwise).",
+        ),
+        click.option("--epochs", type=int, default=None, help="Epochs (default: the preset)."),
+        click.option("--batch-size", type=int, default=None, help="Mini-batch size (default 512)."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option(
+            "--device", default="auto", show_default=True, help="auto, cpu, cuda[:N], mps."
+        ),
+        click.option("--amp", is_flag=True, help="bfloat16 autocast on CUDA."),
+        click.option("--workers", type=int, default=None, help="Image-decoding worker processes."),
+        click.option(
+            "-o", "--output", required=True, help="Checkpoint to write after every epoch (.pt)."
+        ),
+        click.option("--resume", default=None, help="Continue the run saved in this checkpoint."),
+        click.option("--quiet", "-q", is_flag=True, help="No progress bar or log messages."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _check_output(output: str) -> Path:
+    if not output:
+        raise CliError("Invalid -o/--output '': pass a checkpoint path such as run.pt.")
+    p = Path(output)
+    if p.is_dir():
+        raise CliError(f"-o/--output {output!r} is a directory; pass a checkpoint file path.")
+    if not p.parent.exists():
+        raise CliError(f"Cannot write {output!r}: the folder {str(p.parent)!r} does not exist.")
+    return p
+
+
+def _milestones(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise CliError(f"Invalid --milestones {text!r}: expected epochs such as 140,180.") from None
+
+
+def _load(dataset, data_dir, cache_dir):
+    from .vision import load_images
+
+    return load_images(dataset, data_dir=data_dir, cache_dir=cache_dir)
+
+
+def _echo_metrics(rows: list[tuple[str, dict]]) -> None:
+    keys = ("seen", "novel", "all", "novel_called_novel", "seen_called_novel", "novel_found")
+    click.echo("split        " + "  ".join(f"{k:>18}" for k in keys))
+    for name, m in rows:
+        vals = [m.get(k) for k in keys]
+        click.echo(
+            f"{name:<12} "
+            + "  ".join(f"{v:>18.3f}" if isinstance(v, float) else f"{v!s:>18}" for v in vals)
+        )
+
+
+@click.group(cls=_Group)
+def vision() -> None:
+    """ORCA on images: the paper's CIFAR-10/100 and ImageNet-100 benchmarks.
+
+    \b
+    Examples:
+      orca-sc vision pretrain --dataset cifar10 -o simclr_c10.pt
+      orca-sc vision train --dataset cifar10 --pretrained simclr_c10.pt -o orca_c10.pt
+      orca-sc vision evaluate orca_c10.pt --report orca_c10.md
+    """
+
+
+@vision.command("pretrain", cls=_Command)
+@_common
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="Adam learning rate.")
+@click.option("--temperature", type=float, default=0.5, show_default=True, help="NT-Xent τ.")
+@click.pass_context
+def pretrain(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, device, amp,
+             workers, output, resume, quiet, lr, temperature):  # fmt: skip
+    """SimCLR pretraining of a backbone on all training images (labelled or not)."""
+    with _errors(ctx), _cli_logging(quiet):
+        out = _check_output(output)
+        from .vision import PretrainConfig, preset, pretrain_simclr
+
+        p = preset(dataset)
+        cfg = PretrainConfig(
+            arch=arch or p.arch,
+            epochs=epochs or 200,
+            batch_size=batch_size or p.batch_size,
+            lr=lr,
+            temperature=temperature,
+            seed=seed,
+            amp=amp,
+            workers=p.workers if workers is None else workers,
+        )
+        data = _load(dataset, data_dir, cache_dir)
+        run = pretrain_simclr(
+            data, cfg, device=device, progress=not quiet, checkpoint=out, resume=resume
+        )
+    h = run.history[-1] if run.history else {}
+    click.echo(
+        f"SimCLR {cfg.arch} on {data.name}: {len(run.history)} epochs, loss {h.get('loss', float('nan')):.4f}, "
+        f"{h.get('images_per_s', 0):.0f} images/s. Wrote {out} and {out}.json"
+    )
+
+
+@vision.command("train", cls=_Command)
+@_common
+@click.option("--pretrained", default=None, help="SimCLR checkpoint to start the backbone from.")
+@click.option("--lr", type=float, default=None, help="SGD learning rate (default 0.1).")
+@click.option("--milestones", default=None, help="Epochs where lr drops 10× (default 140,180).")
+@click.option("--weight-decay", type=float, default=None, help="Default 5e-4 (1e-4 ImageNet).")
+@click.option(
+    "--margin",
+    type=click.Choice(["adaptive", "fixed", "zero"]),
+    default="adaptive",
+    show_default=True,
+    help="ORCA, ORCA-FNM (fixed 0.5) or ORCA-ZM.",
+)
+@click.option("--fixed-margin", type=float, default=0.5, show_default=True)
+@click.option(
+    "--head-multiplier", type=int, default=1, show_default=True, help="Heads = k × classes."
+)
+@click.option("--seen-fraction", type=float, default=0.5, show_default=True)
+@click.option("--labelled-fraction", type=float, default=0.5, show_default=True)
+@click.option(
+    "--freeze/--no-freeze",
+    default=None,
+    help="Train only the last block and the head (default: when --pretrained is given).",
+)
+@click.option("--report", default=None, help="Write a Markdown report here (+ .csv, history).")
+@click.pass_context
+def train(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, device, amp, workers,
+          output, resume, quiet, pretrained, lr, milestones, weight_decay, margin, fixed_margin,
+          head_multiplier, seen_fraction, labelled_fraction, freeze, report):  # fmt: skip
+    """ORCA training with the paper's open-world split, metrics after every epoch."""
+    with _errors(ctx), _cli_logging(quiet):
+        out = _check_output(output)
+        report_path = _check_output(report) if report is not None else None
+        from .vision import preset, train_orca
+
+        over = dict(
+            margin=margin, fixed_margin=fixed_margin, head_multiplier=head_multiplier,
+            seen_fraction=seen_fraction, labelled_fraction=labelled_fraction, freeze=freeze,
+            seed=seed, amp=amp,
+        )  # fmt: skip
+        for k, v in dict(
+            arch=arch, epochs=epochs, batch_size=batch_size, lr=lr, workers=workers,
+            milestones=_milestones(milestones), weight_decay=weight_decay,
+        ).items():  # fmt: skip
+            if v is not None:
+                over[k] = v
+        if epochs is not None and milestones is None:  # keep the paper's 70% / 90% decay points
+            over["milestones"] = (round(0.7 * epochs), round(0.9 * epochs))
+        cfg = preset(dataset, **over)
+        data = _load(dataset, data_dir, cache_dir)
+        run = train_orca(
+            data, cfg, pretrained=pretrained, device=device, progress=not quiet,
+            checkpoint=out, resume=resume,
+        )  # fmt: skip
+        last = run.history[-1]
+        if report_path is not None:
+            _write_run_report(run, data.name, last, report_path)
+    _echo_metrics(
+        [
+            ("unlabelled", {k[2:]: v for k, v in last.items() if k.startswith("u_")}),
+            ("test", {k[2:]: v for k, v in last.items() if k.startswith("t_")}),
+        ]
+    )
+    click.echo(f"Wrote {out} and {out}.json" + (f", {report_path}" if report_path else ""))
+
+
+def _write_run_report(run, dataset: str, last: dict, path: Path) -> None:
+    import pandas as pd
+
+    from .vision._report import write_report
+
+    name = {"adaptive": "ORCA", "fixed": "ORCA-FNM", "zero": "ORCA-ZM"}[run.config.margin]
+    row = {"dataset": dataset, "method": name, "seed": run.config.seed}
+    row |= {k: v for k, v in last.items() if k.startswith(("u_", "t_"))}
+    pd.DataFrame(run.history).to_csv(path.with_name(path.stem + ".history.csv"), index=False)
+    notes = f"Configuration: `{json.dumps(_cfg_dict(run.config))}`; {len(run.history)} epochs."
+    write_report(pd.DataFrame([row]), path, f"orca_sc.vision: {name} on {dataset}", notes)
+
+
+def _cfg_dict(cfg) -> dict:
+    from dataclasses import asdict
+
+    return asdict(cfg)
+
+
+@vision.command("evaluate", cls=_Command)
+@click.argument("checkpoint", metavar="CHECKPOINT.pt")
+@click.option("--dataset", default=None, help="Default: the checkpoint's dataset.")
+@click.option("--data-dir", default=None, help="ImageNet-100 root.")
+@click.option("--cache-dir", default=None)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--report", default=None, help="Write a Markdown report here (+ .csv).")
+@click.option("--quiet", "-q", is_flag=True)
+@click.pass_context
+def evaluate(ctx, checkpoint, dataset, data_dir, cache_dir, device, report, quiet):
+    """Score an ORCA checkpoint on the unlabelled training images and the test split."""
+    with _errors(ctx), _cli_logging(quiet):
+        report_path = _check_output(report) if report is not None else None
+        import pandas as pd
+
+        from ._train import resolve_device
+        from .vision import evaluate_heads, load_orca, open_world_split, predict
+        from .vision._report import write_report
+
+        dev = resolve_device(device)
+        net, meta = load_orca(checkpoint, device=dev)
+        data = _load(dataset or meta["dataset"], data_dir, cache_dir)
+        if list(data.classes) != list(meta["classes"]):
+            raise CliError(
+                f"{checkpoint} was trained on {meta['dataset']!r} classes; --dataset {data.name!r} "
+                "has other classes."
+            )
+        cfg = meta["config"]
+        split = open_world_split(
+            data.y_train, data.n_classes, cfg["seen_fraction"], cfg["labelled_fraction"],
+            cfg["seed"],
+        )  # fmt: skip
+        u_heads, _, _ = predict(net, data.train, data.augment, dev, split.unlabelled)
+        t_heads, _, _ = predict(net, data.test, data.augment, dev)
+        u = evaluate_heads(data.y_train[split.unlabelled], u_heads, split.n_seen)
+        t = evaluate_heads(data.y_test, t_heads, split.n_seen)
+        if report_path is not None:
+            name = {"adaptive": "ORCA", "fixed": "ORCA-FNM", "zero": "ORCA-ZM"}[cfg["margin"]]
+            row = {"dataset": data.name, "method": name, "seed": cfg["seed"]}
+            row |= {f"u_{k}": v for k, v in u.items()} | {f"t_{k}": v for k, v in t.items()}
+            write_report(
+                pd.DataFrame([row]), report_path, f"orca_sc.vision: {checkpoint}",
+                f"Checkpoint `{checkpoint}` after {meta['epoch']} epochs.",
+            )  # fmt: skip
+    _echo_metrics([("unlabelled", u), ("test", t)])

@@ -1,0 +1,577 @@
+"""ORCA on images (paper Sec. 4, App. A) and SimCLR pretraining, sharing the single-cell core's
+objective (:func:`orca_sc.module.orca_objective`) and head (:class:`orca_sc.module.NormedLinear`).
+
+Per step: the labelled and unlabelled images of the mini-batch (in proportion) are augmented
+twice on the device; the first view's logits and features and the second view's logits go to
+:func:`~orca_sc.module.orca_objective` (margin from the unlabelled images' mean uncertainty,
+refreshed every epoch; positive pairs: same class for labelled images, cosine nearest neighbour
+in the batch for unlabelled ones). SGD with momentum, step decay of the learning rate. No host
+synchronisation inside an epoch: loss terms are summed on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import metrics as M
+from .._errors import ConfigError, OrcaInputError
+from .._train import TrainingDivergedError, resolve_device
+from ..module import adaptive_margin, orca_objective
+from ._data import ImageData, ImageSource
+from ._nets import ARCHS, Projector, VisionOrcaNet, freeze_all_but_last_block, make_backbone
+from ._split import OpenWorldSplit, open_world_split
+
+logger = logging.getLogger(__name__)
+
+_MARGINS = ("adaptive", "fixed", "zero")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """ORCA training on images. Defaults are the paper's CIFAR protocol (App. A); see
+    :func:`preset` for ImageNet-100 and the CPU-sized sets.
+
+    ``head_multiplier``: total heads = multiplier × number of classes (paper Table 12: 100, 200,
+    400 heads on CIFAR-100). ``freeze``: train only the backbone's last block and the head
+    (``None``: freeze when a pretrained backbone is given, as the paper; train everything when
+    starting from random weights). ``eval_test``: score the test split after every epoch (it is
+    always scored after the last). ``margin``: ``"adaptive"`` (ORCA), ``"zero"`` (ORCA-ZM),
+    ``"fixed"`` (ORCA-FNM, ``fixed_margin`` 0.5). ``amp``: bfloat16 autocast on CUDA.
+    """
+
+    arch: str = "resnet18"
+    epochs: int = 200
+    batch_size: int = 512
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    milestones: tuple[int, ...] = (140, 180)
+    margin: str = "adaptive"
+    lam: float = 1.0
+    max_margin: float = 0.5
+    fixed_margin: float = 0.5
+    eta1: float = 1.0
+    eta2: float = 1.0
+    head_multiplier: int = 1
+    seen_fraction: float = 0.5
+    labelled_fraction: float = 0.5
+    freeze: bool | None = None
+    seed: int = 0
+    amp: bool = False
+    workers: int = 0
+    eval_test: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "milestones", tuple(int(m) for m in self.milestones))
+        _check(self.arch in ARCHS, "arch", self.arch, f"one of {', '.join(ARCHS)}")
+        _check(self.margin in _MARGINS, "margin", self.margin, f"one of {', '.join(_MARGINS)}")
+        for name in ("epochs", "batch_size", "head_multiplier"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v >= 1, name, v, "a positive integer")
+        _check(self.batch_size >= 2, "batch_size", self.batch_size, "at least 2")
+        _check(0 < self.lr <= 10 and math.isfinite(self.lr), "lr", self.lr, "a number in (0, 10]")
+        for name in (
+            "momentum",
+            "weight_decay",
+            "lam",
+            "max_margin",
+            "fixed_margin",
+            "eta1",
+            "eta2",
+        ):
+            v = getattr(self, name)
+            _check(math.isfinite(v) and v >= 0, name, v, "a finite number >= 0")
+        _check(0 < self.seen_fraction < 1, "seen_fraction", self.seen_fraction, "in (0, 1)")
+        _check(
+            0 < self.labelled_fraction <= 1,
+            "labelled_fraction",
+            self.labelled_fraction,
+            "in (0, 1]",
+        )
+        _check(0 <= self.seed < 2**32, "seed", self.seed, "an integer in [0, 2**32)")
+        _check(self.workers >= 0, "workers", self.workers, "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """SimCLR pretraining (Chen et al. 2020) on all training images, labelled or not: two views
+    per image, NT-Xent with ``temperature``, projection head to ``proj_dim``; Adam with a cosine
+    learning-rate decay.
+    """
+
+    arch: str = "resnet18"
+    epochs: int = 200
+    batch_size: int = 512
+    lr: float = 1e-3
+    weight_decay: float = 1e-6
+    temperature: float = 0.5
+    proj_dim: int = 128
+    seed: int = 0
+    amp: bool = False
+    workers: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.arch in ARCHS, "arch", self.arch, f"one of {', '.join(ARCHS)}")
+        for name in ("epochs", "batch_size", "proj_dim"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v >= 1, name, v, "a positive integer")
+        _check(self.batch_size >= 2, "batch_size", self.batch_size, "at least 2")
+        _check(0 < self.lr <= 10 and math.isfinite(self.lr), "lr", self.lr, "a number in (0, 10]")
+        _check(self.temperature > 0, "temperature", self.temperature, "a number > 0")
+        _check(0 <= self.seed < 2**32, "seed", self.seed, "an integer in [0, 2**32)")
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(name, value, expected)
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "cifar10": {},
+    "cifar100": {},
+    "imagenet100": dict(
+        arch="resnet50", epochs=90, milestones=(30, 60), weight_decay=1e-4, workers=8
+    ),
+    "digits": dict(arch="small", epochs=30, batch_size=256, milestones=(20, 25)),
+    "npz": dict(arch="small", epochs=50, milestones=(35, 45)),
+}
+
+
+def preset(dataset: str, **overrides: Any) -> VisionConfig:
+    """The paper's settings for ``cifar10``/``cifar100`` (ResNet-18, 200 epochs, decay at 140/180,
+    weight decay 5e-4) and ``imagenet100`` (ResNet-50, 90 epochs, decay at 30/60, 1e-4); the small
+    CNN with shorter schedules for ``digits`` and ``npz:`` arrays. ``overrides`` win.
+    """
+    key = "npz" if dataset.startswith("npz:") else dataset
+    return VisionConfig(**{**_PRESETS.get(key, {}), **overrides})
+
+
+# ------------------------------------------------------------------------------------ results
+@dataclass
+class VisionRun:
+    """A trained net with its split and per-epoch history (see :func:`train_orca`)."""
+
+    net: VisionOrcaNet
+    split: OpenWorldSplit
+    config: VisionConfig
+    classes: tuple[str, ...]
+    history: list[dict] = field(default_factory=list)
+
+    def head_names(self) -> list[str]:
+        n_seen = self.split.n_seen
+        return list(self.classes[:n_seen]) + [
+            f"novel_{k + 1}" for k in range(self.net.head.weight.shape[0] - n_seen)
+        ]
+
+
+def evaluate_heads(y_true: np.ndarray, heads: np.ndarray, n_seen: int) -> dict[str, float]:
+    """Open-world metrics of head predictions ``heads`` against class indices ``y_true``.
+
+    ``seen``: accuracy on seen-class images; ``novel``: Hungarian accuracy on novel-class images;
+    ``all``: Hungarian accuracy over all; ``novel_nmi``; ``novel_called_novel``: share of
+    novel-class images given a novel head; ``seen_called_novel``: share of seen-class images
+    given a novel head; ``novel_found``: novel heads holding at least 1% of the novel-class images
+    (or one image), to set beside the true number of novel classes.
+    """
+    y_true = np.asarray(y_true)
+    heads = np.asarray(heads)
+    pred = np.where(heads < n_seen, heads, n_seen + 1_000_000 + heads)  # novel heads never a class
+    seen = [str(c) for c in range(n_seen)]
+    is_seen = y_true < n_seen
+    called_novel = heads >= n_seen
+    n_novel_imgs = int((~is_seen).sum())
+    counts = np.bincount(heads[called_novel] - n_seen) if called_novel.any() else np.zeros(0)
+    found = int((counts >= max(1, 0.01 * n_novel_imgs)).sum())
+    return {
+        "seen": M.seen_accuracy(y_true, pred, seen),
+        "novel": M.novel_accuracy(y_true, pred, seen),
+        "all": M.all_accuracy(y_true, pred),
+        "novel_nmi": M.novel_nmi(y_true, pred, seen),
+        "novel_called_novel": float(called_novel[~is_seen].mean()) if n_novel_imgs else math.nan,
+        "seen_called_novel": float(called_novel[is_seen].mean()) if is_seen.any() else math.nan,
+        "novel_found": found,
+        "novel_true": int(np.unique(y_true[~is_seen]).size),
+    }
+
+
+@torch.no_grad()
+def predict(
+    net: VisionOrcaNet,
+    source: ImageSource,
+    augment,
+    device: torch.device,
+    rows: np.ndarray | None = None,
+    batch_size: int = 1024,
+    features: bool = False,
+    workers: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Head index, max softmax and (``features=True``) L2-normalised backbone features of the
+    images ``rows`` (default all), in eval mode on the test view.
+    """
+    net.eval()
+    rows = np.arange(len(source)) if rows is None else np.asarray(rows)
+    heads, conf, feats = [], [], []
+    batches = [rows[i : i + batch_size] for i in range(0, rows.size, batch_size)]
+    for x in source.batches(batches, device, workers):
+        logits, z = net(augment.test_view(x))
+        p = F.softmax(logits.float(), dim=1)
+        c, h = p.max(dim=1)
+        heads.append(h)
+        conf.append(c)
+        if features:
+            feats.append(F.normalize(z.float(), dim=1))
+    cat = lambda xs: torch.cat(xs).cpu().numpy() if xs else np.zeros(0)  # noqa: E731
+    return cat(heads).astype(np.int64), cat(conf), (cat(feats) if features else None)
+
+
+@torch.no_grad()
+def embed(
+    backbone: torch.nn.Module,
+    source: ImageSource,
+    augment,
+    device: torch.device,
+    batch_size: int = 1024,
+    workers: int = 0,
+) -> np.ndarray:
+    """L2-normalised backbone features ``(N, D)`` of all images of ``source`` (test view)."""
+    backbone.eval()
+    n = len(source)
+    batches = [np.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+    out = [
+        F.normalize(backbone(augment.test_view(x)).float(), dim=1).cpu()
+        for x in source.batches(batches, device, workers)
+    ]
+    return torch.cat(out).numpy()
+
+
+# ----------------------------------------------------------------------------- ORCA training
+def _autocast(device: torch.device, amp: bool):
+    if amp and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _progress(iterable, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    return tqdm(
+        iterable,
+        desc=desc,
+        unit="epoch",
+        disable=not enabled,
+        leave=False,
+        mininterval=0.1 if tty else 10.0,
+    )
+
+
+def _rng_state(aug: torch.Generator, pairs: torch.Generator, rng: np.random.Generator) -> dict:
+    state = {
+        "torch": torch.random.get_rng_state(),
+        "aug": aug.get_state(),
+        "pairs": pairs.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state, rng.bit_generator.state
+
+
+def _set_rng_state(state: dict, np_state: dict, aug, pairs, rng) -> None:
+    torch.random.set_rng_state(state["torch"].cpu())
+    aug.set_state(state["aug"].cpu())
+    pairs.set_state(state["pairs"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
+    rng.bit_generator.state = np_state
+
+
+def train_orca(
+    data: ImageData,
+    config: VisionConfig | None = None,
+    *,
+    pretrained: str | Path | None = None,
+    device: str = "auto",
+    progress: bool = True,
+    checkpoint: str | Path | None = None,
+    resume: str | Path | None = None,
+) -> VisionRun:
+    """Train ORCA on ``data`` with the paper's open-world split and return a :class:`VisionRun`.
+
+    ``pretrained``: a SimCLR checkpoint from :func:`pretrain_simclr` whose backbone starts the
+    run. ``checkpoint``: written after every epoch (``.pt`` state + ``.json`` metadata);
+    ``resume``: a checkpoint of an interrupted run to continue (same data and configuration; the
+    continued run matches an uninterrupted one on the same device). Each epoch's history
+    record holds the loss terms, margin, learning rate, images/s and the metrics of
+    :func:`evaluate_heads` on the unlabelled training images (``u_*``, transductive, as the
+    paper) and on the test split (``t_*``, inductive).
+    """
+    from . import _checkpoint as C
+
+    config = config or preset(data.name)
+    dev = resolve_device(device)
+    state = None
+    if resume is not None:
+        state, meta = C.load_checkpoint(resume, kind="orca", device=dev)
+        C.check_same_run(meta, asdict(config), data)
+    split = open_world_split(
+        data.y_train, data.n_classes, config.seen_fraction, config.labelled_fraction, config.seed
+    )
+    n_heads = config.head_multiplier * data.n_classes
+    targets = torch.as_tensor(split.targets(data.y_train), device=dev)
+    freeze = config.freeze if config.freeze is not None else pretrained is not None
+    aug = data.augment
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(config.seed)
+        net = VisionOrcaNet(config.arch, n_heads, data.in_channels).to(dev)
+        if pretrained is not None and state is None:
+            C.load_backbone(net.backbone, pretrained, config.arch, data.in_channels, dev)
+        params = freeze_all_but_last_block(net) if freeze else list(net.parameters())
+        opt = torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, list(config.milestones), gamma=0.1)
+        gen_aug = torch.Generator(device=dev).manual_seed(config.seed)
+        gen_pairs = torch.Generator().manual_seed(config.seed)
+        rng = np.random.default_rng(config.seed)
+        history: list[dict] = []
+        start = 0
+        if state is not None:
+            net.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            _set_rng_state(state["rng"], meta["numpy_rng"], gen_aug, gen_pairs, rng)
+            history = list(meta["history"])
+            start = int(meta["epoch"])
+        run = VisionRun(net, split, config, data.classes, history)
+        steps = max(1, math.ceil(len(data.train) / config.batch_size))
+        u_heads, u_conf, _ = predict(
+            net, data.train, aug, dev, split.unlabelled, workers=config.workers
+        )
+        bar = _progress(range(start, config.epochs), "ORCA (images)", progress)
+        for epoch in bar:
+            t0 = time.perf_counter()
+            u = float(1.0 - u_conf.mean()) if u_conf.size else 0.0
+            margin = adaptive_margin(
+                config.margin, u, config.lam, config.max_margin, config.fixed_margin
+            )
+            lr = opt.param_groups[0]["lr"]
+            net.train()
+            lab_chunks = np.array_split(rng.permutation(split.labelled), steps)
+            unl_chunks = np.array_split(rng.permutation(split.unlabelled), steps)
+            batches = [np.concatenate([a, b]) for a, b in zip(lab_chunks, unl_chunks, strict=True)]
+            batches = [b for b in batches if b.size >= 2]
+            sums = torch.zeros(4, device=dev)
+            for idx, x in zip(
+                batches, data.train.batches(batches, dev, config.workers), strict=True
+            ):
+                y = targets[torch.as_tensor(idx, device=dev)]
+                v1, v2 = aug.orca_view(x, gen_aug), aug.orca_view(x, gen_aug)
+                with _autocast(dev, config.amp):
+                    logits, feat = net(v1)
+                    logits2, _ = net(v2)
+                terms = orca_objective(
+                    logits.float(), logits2.float(), feat.float(), y, margin,
+                    eta1=config.eta1, eta2=config.eta2, generator=gen_pairs,
+                )  # fmt: skip
+                opt.zero_grad(set_to_none=True)
+                terms.loss.backward()
+                opt.step()
+                sums += torch.stack([t.detach() for t in terms])
+            sched.step()
+            sums = (sums / max(1, len(batches))).tolist()  # one host sync per epoch
+            if not math.isfinite(sums[0]):
+                raise TrainingDivergedError(
+                    f"The training loss became {sums[0]} at epoch {epoch + 1}; lower lr."
+                )
+            train_s = time.perf_counter() - t0
+            u_heads, u_conf, _ = predict(
+                net, data.train, aug, dev, split.unlabelled, workers=config.workers
+            )
+            rec = {
+                "epoch": epoch + 1, "loss": sums[0], "supervised": sums[1], "pairwise": sums[2],
+                "regularizer": sums[3], "uncertainty": u, "margin": margin, "lr": lr,
+                "train_seconds": train_s, "images_per_s": sum(b.size for b in batches) / train_s,
+            }  # fmt: skip
+            ev = evaluate_heads(data.y_train[split.unlabelled], u_heads, split.n_seen)
+            rec.update({f"u_{k}": v for k, v in ev.items()})
+            if config.eval_test or epoch + 1 == config.epochs:
+                t_heads, _, _ = predict(net, data.test, aug, dev, workers=config.workers)
+                ev = evaluate_heads(data.y_test, t_heads, split.n_seen)
+                rec.update({f"t_{k}": v for k, v in ev.items()})
+            rec["seconds"] = time.perf_counter() - t0
+            history.append(rec)
+            bar.set_postfix(
+                loss=f"{rec['loss']:.3f}", seen=f"{rec['u_seen']:.3f}", novel=f"{rec['u_novel']:.3f}",
+                refresh=False,
+            )  # fmt: skip
+            if checkpoint is not None:
+                rng_state, np_state = _rng_state(gen_aug, gen_pairs, rng)
+                C.save_checkpoint(
+                    checkpoint,
+                    {"model": net.state_dict(), "optimizer": opt.state_dict(),
+                     "scheduler": sched.state_dict(), "rng": rng_state},
+                    C.orca_meta(run, data, epoch + 1, np_state),
+                )  # fmt: skip
+        bar.close()
+    net.eval()
+    return run
+
+
+# ---------------------------------------------------------------------------------- SimCLR
+def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float = 0.5) -> torch.Tensor:
+    """SimCLR's NT-Xent loss: for each of the ``2B`` projections, cross-entropy of its cosine
+    similarities / ``temperature`` to the other ``2B - 1``, with its other view as the positive.
+    """
+    z = F.normalize(torch.cat([z1, z2]), dim=1)  # (2B, P)
+    n = z1.shape[0]
+    sim = (z @ z.T) / temperature
+    sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), -math.inf)
+    target = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]).to(z.device)
+    return F.cross_entropy(sim, target)
+
+
+@dataclass
+class PretrainRun:
+    backbone: torch.nn.Module
+    projector: Projector
+    config: PretrainConfig
+    history: list[dict] = field(default_factory=list)
+
+
+def pretrain_simclr(
+    data: ImageData,
+    config: PretrainConfig | None = None,
+    *,
+    device: str = "auto",
+    progress: bool = True,
+    checkpoint: str | Path | None = None,
+    resume: str | Path | None = None,
+) -> PretrainRun:
+    """SimCLR pretraining of a backbone on all training images of ``data`` (labelled and
+    unlabelled; the test split is never seen). ``checkpoint``/``resume`` as in :func:`train_orca`.
+    """
+    from . import _checkpoint as C
+
+    config = config or PretrainConfig()
+    dev = resolve_device(device)
+    state = meta = None
+    if resume is not None:
+        state, meta = C.load_checkpoint(resume, kind="simclr", device=dev)
+        C.check_same_run(meta, asdict(config), data)
+    if len(data.train) < 2:
+        raise OrcaInputError("SimCLR needs at least 2 training images.")
+    aug = data.augment
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(config.seed)
+        backbone = make_backbone(config.arch, data.in_channels).to(dev)
+        projector = Projector(backbone.out_dim, config.proj_dim).to(dev)
+        params = list(backbone.parameters()) + list(projector.parameters())
+        opt = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=config.epochs)
+        gen_aug = torch.Generator(device=dev).manual_seed(config.seed)
+        gen_unused = torch.Generator().manual_seed(config.seed)
+        rng = np.random.default_rng(config.seed)
+        history: list[dict] = []
+        start = 0
+        if state is not None:
+            backbone.load_state_dict(state["backbone"])
+            projector.load_state_dict(state["projector"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            _set_rng_state(state["rng"], meta["numpy_rng"], gen_aug, gen_unused, rng)
+            history = list(meta["history"])
+            start = int(meta["epoch"])
+        run = PretrainRun(backbone, projector, config, history)
+        n = len(data.train)
+        bs = min(config.batch_size, n)
+        bar = _progress(range(start, config.epochs), "SimCLR", progress)
+        for epoch in bar:
+            t0 = time.perf_counter()
+            backbone.train()
+            projector.train()
+            perm = rng.permutation(n)
+            batches = [perm[i : i + bs] for i in range(0, n - bs + 1, bs)]  # drop the last
+            lr = opt.param_groups[0]["lr"]
+            total = torch.zeros((), device=dev)
+            for x in data.train.batches(batches, dev, config.workers):
+                v1, v2 = aug.simclr_view(x, gen_aug), aug.simclr_view(x, gen_aug)
+                with _autocast(dev, config.amp):
+                    z = projector(backbone(torch.cat([v1, v2])))
+                z1, z2 = z.float().chunk(2)
+                loss = nt_xent(z1, z2, config.temperature)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += loss.detach()
+            sched.step()
+            mean = float(total) / max(1, len(batches))
+            if not math.isfinite(mean):
+                raise TrainingDivergedError(
+                    f"The SimCLR loss became {mean} at epoch {epoch + 1}; lower lr."
+                )
+            secs = time.perf_counter() - t0
+            rec = {"epoch": epoch + 1, "loss": mean, "lr": lr, "seconds": secs,
+                   "images_per_s": len(batches) * bs / secs}  # fmt: skip
+            history.append(rec)
+            bar.set_postfix(loss=f"{mean:.3f}", refresh=False)
+            if checkpoint is not None:
+                rng_state, np_state = _rng_state(gen_aug, gen_unused, rng)
+                C.save_checkpoint(
+                    checkpoint,
+                    {"backbone": backbone.state_dict(), "projector": projector.state_dict(),
+                     "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                     "rng": rng_state},
+                    C.simclr_meta(run, data, epoch + 1, np_state),
+                )  # fmt: skip
+        bar.close()
+    backbone.eval()
+    return run
+
+
+# --------------------------------------------------------------------------- KMeans baseline
+def kmeans_baseline(
+    backbone: torch.nn.Module,
+    data: ImageData,
+    split: OpenWorldSplit,
+    *,
+    device: str = "auto",
+    seed: int = 0,
+) -> dict[str, float]:
+    """The paper's K-means baseline on frozen (SimCLR) features: K-means with one cluster per
+    class on the L2-normalised features of all training images; clusters are matched one-to-one
+    to seen classes by the labelled images (Hungarian), the others are novel clusters. Scored by
+    :func:`evaluate_heads` on the unlabelled images (``u_*``) and on the test split, each test
+    image in its nearest centroid's cluster (``t_*``).
+    """
+    from scipy.optimize import linear_sum_assignment
+    from sklearn.cluster import KMeans
+
+    dev = resolve_device(device)
+    feats = embed(backbone, data.train, data.augment, dev)
+    km = KMeans(n_clusters=data.n_classes, n_init=10, random_state=seed).fit(feats)
+    cl = km.labels_
+    lab = split.labelled
+    w = np.zeros((data.n_classes, split.n_seen), dtype=np.int64)
+    np.add.at(w, (cl[lab], data.y_train[lab]), 1)
+    rows, cols = linear_sum_assignment(w, maximize=True)
+    head_of = np.full(data.n_classes, -1, dtype=np.int64)
+    head_of[rows] = cols  # matched cluster -> its seen class
+    rest = np.flatnonzero(head_of < 0)
+    head_of[rest] = split.n_seen + np.arange(rest.size)
+    out = evaluate_heads(
+        data.y_train[split.unlabelled], head_of[cl[split.unlabelled]], split.n_seen
+    )
+    test_cl = km.predict(embed(backbone, data.test, data.augment, dev))
+    test = evaluate_heads(data.y_test, head_of[test_cl], split.n_seen)
+    return {f"u_{k}": v for k, v in out.items()} | {f"t_{k}": v for k, v in test.items()}
