@@ -25,6 +25,14 @@ from orca_sc import vision
 from orca_sc.vision._report import write_report
 
 VARIANTS = {"ORCA": "adaptive", "ORCA-FNM": "fixed", "ORCA-ZM": "zero"}
+# --ablations: the paper's other settings (App. B), ORCA with the adaptive margin
+ABLATIONS = {
+    "ORCA heads ×2": {"head_multiplier": 2},
+    "ORCA heads ×4": {"head_multiplier": 4},
+    "ORCA 10% labels": {"labelled_fraction": 0.1},
+    "ORCA 30% seen": {"seen_fraction": 0.3},
+    "ORCA 70% seen": {"seen_fraction": 0.7},
+}
 
 
 def main(argv=None) -> int:
@@ -37,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--shared-pretrain", action="store_true")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--ablations", action="store_true", help="also " + ", ".join(ABLATIONS))
     ap.add_argument("--out", default="reports/vision_offline")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -71,8 +80,11 @@ def main(argv=None) -> int:
         km = vision.kmeans_baseline(backbone, data, split, device=a.device, seed=seed)
         rows.append({"dataset": a.dataset, "method": "K-means (SimCLR)", "seed": seed,
                      "seconds": time.perf_counter() - t0, **km})  # fmt: skip
-        for name, margin in VARIANTS.items():
-            cfg = vision.preset(a.dataset, margin=margin, seed=seed, **over)
+        runs = {name: {"margin": margin} for name, margin in VARIANTS.items()}
+        if a.ablations:
+            runs |= ABLATIONS
+        for name, extra in runs.items():
+            cfg = vision.preset(a.dataset, seed=seed, **over, **extra)
             t0 = time.perf_counter()
             run = vision.train_orca(data, cfg, pretrained=ckpt, device=a.device)
             last = run.history[-1]

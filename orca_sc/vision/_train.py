@@ -276,24 +276,47 @@ def _progress(iterable, desc: str, enabled: bool):
     )
 
 
-def _rng_state(aug: torch.Generator, pairs: torch.Generator, rng: np.random.Generator) -> dict:
-    state = {
-        "torch": torch.random.get_rng_state(),
-        "aug": aug.get_state(),
-        "pairs": pairs.get_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state, rng.bit_generator.state
+class _Streams:
+    """The random streams of a run: augmentations (a generator on the device), labelled images'
+    pair partners (CPU generator) and batch order (numpy); torch's global stream (weight
+    initialisation) is saved with them.
+    """
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.aug = torch.Generator(device=device).manual_seed(seed)
+        self.pairs = torch.Generator().manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
+
+    def state(self) -> tuple[dict, dict]:
+        """``(tensors, numpy state)``: the first goes in the checkpoint, the second in its JSON."""
+        state = {
+            "torch": torch.random.get_rng_state(),
+            "aug": self.aug.get_state(),
+            "pairs": self.pairs.get_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state, self.rng.bit_generator.state
+
+    def restore(self, state: dict, np_state: dict) -> None:
+        torch.random.set_rng_state(state["torch"].cpu())
+        self.aug.set_state(state["aug"].cpu())
+        self.pairs.set_state(state["pairs"].cpu())
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"].cpu())
+        self.rng.bit_generator.state = np_state
 
 
-def _set_rng_state(state: dict, np_state: dict, aug, pairs, rng) -> None:
-    torch.random.set_rng_state(state["torch"].cpu())
-    aug.set_state(state["aug"].cpu())
-    pairs.set_state(state["pairs"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"].cpu())
-    rng.bit_generator.state = np_state
+def _restore(state, meta, modules: dict, opt, sched, streams: _Streams) -> tuple[list[dict], int]:
+    """Load a checkpoint's modules, optimiser, schedule and random streams; returns the history
+    so far and the number of epochs done.
+    """
+    for key, module in modules.items():
+        module.load_state_dict(state[key])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    streams.restore(state["rng"], meta["numpy_rng"])
+    return list(meta["history"]), int(meta["epoch"])
 
 
 def train_orca(
@@ -341,18 +364,11 @@ def train_orca(
             params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
         )
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, list(config.milestones), gamma=0.1)
-        gen_aug = torch.Generator(device=dev).manual_seed(config.seed)
-        gen_pairs = torch.Generator().manual_seed(config.seed)
-        rng = np.random.default_rng(config.seed)
+        streams = _Streams(config.seed, dev)
         history: list[dict] = []
         start = 0
         if state is not None:
-            net.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-            _set_rng_state(state["rng"], meta["numpy_rng"], gen_aug, gen_pairs, rng)
-            history = list(meta["history"])
-            start = int(meta["epoch"])
+            history, start = _restore(state, meta, {"model": net}, opt, sched, streams)
         run = VisionRun(net, split, config, data.classes, history)
         steps = max(1, math.ceil(len(data.train) / config.batch_size))
         u_heads, u_conf, _ = predict(
@@ -367,8 +383,8 @@ def train_orca(
             )
             lr = opt.param_groups[0]["lr"]
             net.train()
-            lab_chunks = np.array_split(rng.permutation(split.labelled), steps)
-            unl_chunks = np.array_split(rng.permutation(split.unlabelled), steps)
+            lab_chunks = np.array_split(streams.rng.permutation(split.labelled), steps)
+            unl_chunks = np.array_split(streams.rng.permutation(split.unlabelled), steps)
             batches = [np.concatenate([a, b]) for a, b in zip(lab_chunks, unl_chunks, strict=True)]
             batches = [b for b in batches if b.size >= 2]
             sums = torch.zeros(4, device=dev)
@@ -376,13 +392,13 @@ def train_orca(
                 batches, data.train.batches(batches, dev, config.workers), strict=True
             ):
                 y = targets[torch.as_tensor(idx, device=dev)]
-                v1, v2 = aug.orca_view(x, gen_aug), aug.orca_view(x, gen_aug)
+                v1, v2 = aug.orca_view(x, streams.aug), aug.orca_view(x, streams.aug)
                 with _autocast(dev, config.amp):
                     logits, feat = net(v1)
                     logits2, _ = net(v2)
                 terms = orca_objective(
                     logits.float(), logits2.float(), feat.float(), y, margin,
-                    eta1=config.eta1, eta2=config.eta2, generator=gen_pairs,
+                    eta1=config.eta1, eta2=config.eta2, generator=streams.pairs,
                 )  # fmt: skip
                 opt.zero_grad(set_to_none=True)
                 terms.loss.backward()
@@ -416,7 +432,7 @@ def train_orca(
                 refresh=False,
             )  # fmt: skip
             if checkpoint is not None:
-                rng_state, np_state = _rng_state(gen_aug, gen_pairs, rng)
+                rng_state, np_state = streams.state()
                 C.save_checkpoint(
                     checkpoint,
                     {"model": net.state_dict(), "optimizer": opt.state_dict(),
@@ -479,19 +495,12 @@ def pretrain_simclr(
         params = list(backbone.parameters()) + list(projector.parameters())
         opt = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=config.epochs)
-        gen_aug = torch.Generator(device=dev).manual_seed(config.seed)
-        gen_unused = torch.Generator().manual_seed(config.seed)
-        rng = np.random.default_rng(config.seed)
+        streams = _Streams(config.seed, dev)
         history: list[dict] = []
         start = 0
         if state is not None:
-            backbone.load_state_dict(state["backbone"])
-            projector.load_state_dict(state["projector"])
-            opt.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-            _set_rng_state(state["rng"], meta["numpy_rng"], gen_aug, gen_unused, rng)
-            history = list(meta["history"])
-            start = int(meta["epoch"])
+            modules = {"backbone": backbone, "projector": projector}
+            history, start = _restore(state, meta, modules, opt, sched, streams)
         run = PretrainRun(backbone, projector, config, history)
         n = len(data.train)
         bs = min(config.batch_size, n)
@@ -500,12 +509,12 @@ def pretrain_simclr(
             t0 = time.perf_counter()
             backbone.train()
             projector.train()
-            perm = rng.permutation(n)
+            perm = streams.rng.permutation(n)
             batches = [perm[i : i + bs] for i in range(0, n - bs + 1, bs)]  # drop the last
             lr = opt.param_groups[0]["lr"]
             total = torch.zeros((), device=dev)
             for x in data.train.batches(batches, dev, config.workers):
-                v1, v2 = aug.simclr_view(x, gen_aug), aug.simclr_view(x, gen_aug)
+                v1, v2 = aug.simclr_view(x, streams.aug), aug.simclr_view(x, streams.aug)
                 with _autocast(dev, config.amp):
                     z = projector(backbone(torch.cat([v1, v2])))
                 z1, z2 = z.float().chunk(2)
@@ -526,7 +535,7 @@ def pretrain_simclr(
             history.append(rec)
             bar.set_postfix(loss=f"{mean:.3f}", refresh=False)
             if checkpoint is not None:
-                rng_state, np_state = _rng_state(gen_aug, gen_unused, rng)
+                rng_state, np_state = streams.state()
                 C.save_checkpoint(
                     checkpoint,
                     {"backbone": backbone.state_dict(), "projector": projector.state_dict(),
