@@ -9,7 +9,6 @@ DataLoader workers. Both yield uint8 batches on the training device from
 from __future__ import annotations
 
 import io
-import json
 import logging
 import pickle
 import tarfile
@@ -335,15 +334,3 @@ def _load_imagenet100(root: Path) -> ImageData:
         "imagenet100", splits["train"][0], splits["train"][1], splits["val"][0], splits["val"][1],
         tuple(wnids), aug,
     )  # fmt: skip
-
-
-def describe(data: ImageData) -> str:
-    return json.dumps(
-        {
-            "dataset": data.name,
-            "train": len(data.train),
-            "test": len(data.test),
-            "classes": data.n_classes,
-            "shape": list(data.train.shape),
-        }
-    )
