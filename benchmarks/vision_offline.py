@@ -24,7 +24,7 @@ import pandas as pd
 from orca_sc import vision
 from orca_sc.vision._report import write_report
 
-VARIANTS = {"ORCA": "adaptive", "ORCA-FNM": "fixed", "ORCA-ZM": "zero"}
+VARIANTS = {name: margin for margin, name in vision.METHOD_NAMES.items()}
 # --ablations: the paper's other settings (App. B), ORCA with the adaptive margin
 ABLATIONS = {
     "ORCA heads ×2": {"head_multiplier": 2},

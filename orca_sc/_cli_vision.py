@@ -7,11 +7,12 @@ imported only when a command runs.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 
-from .cli import CliError, _cli_logging, _Command, _errors, _Group
+from .cli import CliError, _cli_logging, _Command, _errors, _Group, _Outputs
 
 _DATASET_HELP = "cifar10, cifar100, imagenet100 (with --data-dir), digits or npz:PATH."
 _ARCHS = ("small", "resnet18", "resnet50")
@@ -51,15 +52,16 @@ def _common(f):
     return f
 
 
-def _check_output(output: str) -> Path:
-    if not output:
-        raise CliError("Invalid -o/--output '': pass a checkpoint path such as run.pt.")
-    p = Path(output)
-    if p.is_dir():
-        raise CliError(f"-o/--output {output!r} is a directory; pass a checkpoint file path.")
-    if not p.parent.exists():
-        raise CliError(f"Cannot write {output!r}: the folder {str(p.parent)!r} does not exist.")
-    return p
+def _claim(
+    output: str | None, report: str | None, inputs: list[str | None]
+) -> tuple[Path, Path | None]:
+    """The checkpoint (rewritten after every epoch, so an existing one is replaced) and report
+    paths, checked before any work by the annotate command's rules (not empty, not a directory,
+    not an input, folder present and writable).
+    """
+    outs = _Outputs(overwrite=True, inputs=[p for p in inputs if p])
+    out = outs.claim(output, "Checkpoint") if output is not None else None
+    return out, (outs.claim(report, "Report") if report is not None else None)
 
 
 def _milestones(text: str | None) -> tuple[int, ...] | None:
@@ -77,15 +79,27 @@ def _load(dataset, data_dir, cache_dir):
     return load_images(dataset, data_dir=data_dir, cache_dir=cache_dir)
 
 
-def _echo_metrics(rows: list[tuple[str, dict]]) -> None:
+def _echo_metrics(scores: dict) -> None:
+    """The ``u_*`` (unlabelled training images) and ``t_*`` (test split) metrics as a table."""
     keys = ("seen", "novel", "all", "novel_called_novel", "seen_called_novel", "novel_found")
     click.echo("split        " + "  ".join(f"{k:>18}" for k in keys))
-    for name, m in rows:
-        vals = [m.get(k) for k in keys]
+    for name, prefix in (("unlabelled", "u_"), ("test", "t_")):
+        vals = [scores.get(prefix + k) for k in keys]
         click.echo(
             f"{name:<12} "
             + "  ".join(f"{v:>18.3f}" if isinstance(v, float) else f"{v!s:>18}" for v in vals)
         )
+
+
+def _write_report(path: Path, dataset: str, config: dict, scores: dict, title: str, notes: str):
+    """One run's Markdown + CSV report (:func:`orca_sc.vision._report.write_report`)."""
+    import pandas as pd
+
+    from .vision import METHOD_NAMES
+    from .vision._report import write_report
+
+    row = {"dataset": dataset, "method": METHOD_NAMES[config["margin"]], "seed": config["seed"]}
+    write_report(pd.DataFrame([row | scores]), path, title, notes)
 
 
 @click.group(cls=_Group)
@@ -109,7 +123,7 @@ def pretrain(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, 
              workers, output, resume, quiet, lr, temperature):  # fmt: skip
     """SimCLR pretraining of a backbone on all training images (labelled or not)."""
     with _errors(ctx), _cli_logging(quiet):
-        out = _check_output(output)
+        out, _ = _claim(output, None, [])
         from .vision import PretrainConfig, preset, pretrain_simclr
 
         p = preset(dataset)
@@ -165,9 +179,8 @@ def train(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, dev
           head_multiplier, seen_fraction, labelled_fraction, freeze, report):  # fmt: skip
     """ORCA training with the paper's open-world split, metrics after every epoch."""
     with _errors(ctx), _cli_logging(quiet):
-        out = _check_output(output)
-        report_path = _check_output(report) if report is not None else None
-        from .vision import preset, train_orca
+        out, report_path = _claim(output, report, [pretrained])
+        from .vision import METHOD_NAMES, preset, train_orca
 
         over = dict(
             margin=margin, fixed_margin=fixed_margin, head_multiplier=head_multiplier,
@@ -188,35 +201,18 @@ def train(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, dev
             data, cfg, pretrained=pretrained, device=device, progress=not quiet,
             checkpoint=out, resume=resume,
         )  # fmt: skip
-        last = run.history[-1]
+        scores = {k: v for k, v in run.history[-1].items() if k.startswith(("u_", "t_"))}
         if report_path is not None:
-            _write_run_report(run, data.name, last, report_path)
-    _echo_metrics(
-        [
-            ("unlabelled", {k[2:]: v for k, v in last.items() if k.startswith("u_")}),
-            ("test", {k[2:]: v for k, v in last.items() if k.startswith("t_")}),
-        ]
-    )
+            import pandas as pd
+
+            history = report_path.with_name(report_path.stem + ".history.csv")
+            pd.DataFrame(run.history).to_csv(history, index=False)
+            config = asdict(run.config)
+            title = f"orca_sc.vision: {METHOD_NAMES[config['margin']]} on {data.name}"
+            notes = f"Configuration: `{json.dumps(config)}`; {len(run.history)} epochs."
+            _write_report(report_path, data.name, config, scores, title, notes)
+    _echo_metrics(scores)
     click.echo(f"Wrote {out} and {out}.json" + (f", {report_path}" if report_path else ""))
-
-
-def _write_run_report(run, dataset: str, last: dict, path: Path) -> None:
-    import pandas as pd
-
-    from .vision._report import write_report
-
-    name = {"adaptive": "ORCA", "fixed": "ORCA-FNM", "zero": "ORCA-ZM"}[run.config.margin]
-    row = {"dataset": dataset, "method": name, "seed": run.config.seed}
-    row |= {k: v for k, v in last.items() if k.startswith(("u_", "t_"))}
-    pd.DataFrame(run.history).to_csv(path.with_name(path.stem + ".history.csv"), index=False)
-    notes = f"Configuration: `{json.dumps(_cfg_dict(run.config))}`; {len(run.history)} epochs."
-    write_report(pd.DataFrame([row]), path, f"orca_sc.vision: {name} on {dataset}", notes)
-
-
-def _cfg_dict(cfg) -> dict:
-    from dataclasses import asdict
-
-    return asdict(cfg)
 
 
 @vision.command("evaluate", cls=_Command)
@@ -231,12 +227,9 @@ def _cfg_dict(cfg) -> dict:
 def evaluate(ctx, checkpoint, dataset, data_dir, cache_dir, device, report, quiet):
     """Score an ORCA checkpoint on the unlabelled training images and the test split."""
     with _errors(ctx), _cli_logging(quiet):
-        report_path = _check_output(report) if report is not None else None
-        import pandas as pd
-
+        _, report_path = _claim(None, report, [checkpoint])
         from ._train import resolve_device
-        from .vision import evaluate_heads, load_orca, open_world_split, predict
-        from .vision._report import write_report
+        from .vision import load_orca, open_world_split, score
 
         dev = resolve_device(device)
         net, meta = load_orca(checkpoint, device=dev)
@@ -251,16 +244,9 @@ def evaluate(ctx, checkpoint, dataset, data_dir, cache_dir, device, report, quie
             data.y_train, data.n_classes, cfg["seen_fraction"], cfg["labelled_fraction"],
             cfg["seed"],
         )  # fmt: skip
-        u_heads, _, _ = predict(net, data.train, data.augment, dev, split.unlabelled)
-        t_heads, _, _ = predict(net, data.test, data.augment, dev)
-        u = evaluate_heads(data.y_train[split.unlabelled], u_heads, split.n_seen)
-        t = evaluate_heads(data.y_test, t_heads, split.n_seen)
+        scores, _ = score(net, data, split, dev)
         if report_path is not None:
-            name = {"adaptive": "ORCA", "fixed": "ORCA-FNM", "zero": "ORCA-ZM"}[cfg["margin"]]
-            row = {"dataset": data.name, "method": name, "seed": cfg["seed"]}
-            row |= {f"u_{k}": v for k, v in u.items()} | {f"t_{k}": v for k, v in t.items()}
-            write_report(
-                pd.DataFrame([row]), report_path, f"orca_sc.vision: {checkpoint}",
-                f"Checkpoint `{checkpoint}` after {meta['epoch']} epochs.",
-            )  # fmt: skip
-    _echo_metrics([("unlabelled", u), ("test", t)])
+            title = f"orca_sc.vision: {checkpoint}"
+            notes = f"Checkpoint `{checkpoint}` after {meta['epoch']} epochs."
+            _write_report(report_path, data.name, cfg, scores, title, notes)
+    _echo_metrics(scores)

@@ -239,12 +239,27 @@ def fit_open_world(
     return net, history
 
 
+def epoch_bar(epochs, desc: str, enabled: bool):
+    """A tqdm bar over ``epochs`` on stderr; in a log file (stderr not a terminal) it refreshes
+    every 10 s instead of many times a second.
+    """
+    from tqdm import tqdm
+
+    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    return tqdm(
+        epochs,
+        desc=desc,
+        unit="epoch",
+        disable=not enabled,
+        leave=False,
+        mininterval=0.1 if tty else 10.0,
+    )
+
+
 def _run_epochs(
     net, data, labels, epochs, plan, config, rand, full, prior=None, y_anchor=None, pair_feats=None
 ) -> list[dict]:
     """Train ``net`` in place over ``epochs`` (epoch numbers of the whole run)."""
-    from tqdm import tqdm
-
     device = data.device
     y_all = torch.as_tensor(labels, device=device)
     lab_idx = np.flatnonzero(labels >= 0)
@@ -252,16 +267,7 @@ def _run_epochs(
     unl_t = torch.as_tensor(unl_idx, device=device)
     opt = torch.optim.Adam(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     history: list[dict] = []
-    # in a log file (stderr not a terminal) refresh every 10 s instead of many times a second
-    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-    bar = tqdm(
-        epochs,
-        desc="ORCA" if full else "ORCA warm-up",
-        unit="epoch",
-        disable=not config.progress,
-        leave=False,
-        mininterval=0.1 if tty else 10.0,
-    )
+    bar = epoch_bar(epochs, "ORCA" if full else "ORCA warm-up", config.progress)
     for epoch in bar:
         t_epoch = time.perf_counter()
         u = mean_uncertainty(net, data, unl_t)

@@ -389,4 +389,11 @@ def test_cli_train_evaluate_and_errors(tmp_path):
     assert_cli_error(
         r.invoke(main, ["vision", "evaluate", str(tmp_path / "missing.pt")]), "does not exist"
     )
+    assert_cli_error(  # the checkpoint never overwrites an input
+        r.invoke(
+            main,
+            ["vision", "train", "--dataset", "digits", "--pretrained", str(ck), "-o", str(ck)],
+        ),
+        "is one of the input files",
+    )
     assert {p.name for p in tmp_path.iterdir()} == before  # nothing written by a failed command

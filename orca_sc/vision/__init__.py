@@ -16,6 +16,7 @@ from ._data import ImageData, imagenet100_classes, load_images
 from ._nets import SmallCNN, VisionOrcaNet, freeze_all_but_last_block, resnet18, resnet50
 from ._split import OpenWorldSplit, open_world_split
 from ._train import (
+    METHOD_NAMES,
     PretrainConfig,
     VisionConfig,
     VisionRun,
@@ -26,10 +27,12 @@ from ._train import (
     predict,
     preset,
     pretrain_simclr,
+    score,
     train_orca,
 )
 
 __all__ = [
+    "METHOD_NAMES",
     "AugmentSpec",
     "ImageData",
     "OpenWorldSplit",
@@ -57,5 +60,6 @@ __all__ = [
     "random_resized_crop",
     "resnet18",
     "resnet50",
+    "score",
     "train_orca",
 ]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 from .. import metrics as M
 from .._errors import ConfigError, OrcaInputError
-from .._train import TrainingDivergedError, resolve_device
+from .._train import TrainingDivergedError, epoch_bar, resolve_device
 from ..module import adaptive_margin, orca_objective
 from ._data import ImageData, ImageSource
 from ._nets import ARCHS, Projector, VisionOrcaNet, freeze_all_but_last_block, make_backbone
@@ -34,7 +33,9 @@ from ._split import OpenWorldSplit, open_world_split
 
 logger = logging.getLogger(__name__)
 
-_MARGINS = ("adaptive", "fixed", "zero")
+#: the paper's names of ORCA and its margin ablations, by ``VisionConfig.margin``
+METHOD_NAMES = {"adaptive": "ORCA", "fixed": "ORCA-FNM", "zero": "ORCA-ZM"}
+_MARGINS = tuple(METHOD_NAMES)
 
 
 @dataclass(frozen=True)
@@ -255,25 +256,36 @@ def embed(
     return torch.cat(out).numpy()
 
 
+def score(
+    net: VisionOrcaNet,
+    data: ImageData,
+    split: OpenWorldSplit,
+    device: torch.device,
+    *,
+    test: bool = True,
+    workers: int = 0,
+) -> tuple[dict[str, float], np.ndarray]:
+    """:func:`evaluate_heads` on the unlabelled training images (keys ``u_*``) and, with
+    ``test``, on the test split (``t_*``); also the unlabelled images' max softmax (whose mean
+    sets the next epoch's margin).
+    """
+    u_heads, u_conf, _ = predict(
+        net, data.train, data.augment, device, split.unlabelled, workers=workers
+    )
+    ev = evaluate_heads(data.y_train[split.unlabelled], u_heads, split.n_seen)
+    out = {f"u_{k}": v for k, v in ev.items()}
+    if test:
+        t_heads, _, _ = predict(net, data.test, data.augment, device, workers=workers)
+        ev = evaluate_heads(data.y_test, t_heads, split.n_seen)
+        out |= {f"t_{k}": v for k, v in ev.items()}
+    return out, u_conf
+
+
 # ----------------------------------------------------------------------------- ORCA training
 def _autocast(device: torch.device, amp: bool):
     if amp and device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def _progress(iterable, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-    return tqdm(
-        iterable,
-        desc=desc,
-        unit="epoch",
-        disable=not enabled,
-        leave=False,
-        mininterval=0.1 if tty else 10.0,
-    )
 
 
 class _Streams:
@@ -374,7 +386,7 @@ def train_orca(
         u_heads, u_conf, _ = predict(
             net, data.train, aug, dev, split.unlabelled, workers=config.workers
         )
-        bar = _progress(range(start, config.epochs), "ORCA (images)", progress)
+        bar = epoch_bar(range(start, config.epochs), "ORCA (images)", progress)
         for epoch in bar:
             t0 = time.perf_counter()
             u = float(1.0 - u_conf.mean()) if u_conf.size else 0.0
@@ -411,20 +423,14 @@ def train_orca(
                     f"The training loss became {sums[0]} at epoch {epoch + 1}; lower lr."
                 )
             train_s = time.perf_counter() - t0
-            u_heads, u_conf, _ = predict(
-                net, data.train, aug, dev, split.unlabelled, workers=config.workers
-            )
+            test = config.eval_test or epoch + 1 == config.epochs
+            scores, u_conf = score(net, data, split, dev, test=test, workers=config.workers)
             rec = {
                 "epoch": epoch + 1, "loss": sums[0], "supervised": sums[1], "pairwise": sums[2],
                 "regularizer": sums[3], "uncertainty": u, "margin": margin, "lr": lr,
                 "train_seconds": train_s, "images_per_s": sum(b.size for b in batches) / train_s,
             }  # fmt: skip
-            ev = evaluate_heads(data.y_train[split.unlabelled], u_heads, split.n_seen)
-            rec.update({f"u_{k}": v for k, v in ev.items()})
-            if config.eval_test or epoch + 1 == config.epochs:
-                t_heads, _, _ = predict(net, data.test, aug, dev, workers=config.workers)
-                ev = evaluate_heads(data.y_test, t_heads, split.n_seen)
-                rec.update({f"t_{k}": v for k, v in ev.items()})
+            rec.update(scores)
             rec["seconds"] = time.perf_counter() - t0
             history.append(rec)
             bar.set_postfix(
@@ -504,7 +510,7 @@ def pretrain_simclr(
         run = PretrainRun(backbone, projector, config, history)
         n = len(data.train)
         bs = min(config.batch_size, n)
-        bar = _progress(range(start, config.epochs), "SimCLR", progress)
+        bar = epoch_bar(range(start, config.epochs), "SimCLR", progress)
         for epoch in bar:
             t0 = time.perf_counter()
             backbone.train()
