@@ -57,6 +57,7 @@ def main() -> None:
                 **score(task.truth, pred, task.seen, True),
                 "seconds": time.perf_counter() - t0,
                 "error": "",
+                **_self_check_columns(q.uns["orca"].get("self_check")),
             }
             rows.append(row)
             print(
@@ -75,6 +76,24 @@ def main() -> None:
     md = suite_markdown(runs, settings)
     args.out.with_suffix(".md").write_text(md)
     print(md)
+
+
+def _self_check_columns(check: dict | None) -> dict:
+    """The self-check's figures (``--set self_check=True``), to set beside the run's own."""
+    if not check or "skipped" in check:
+        return {}
+    keys = (
+        "novel_called",
+        "known_called_novel",
+        "hidden_accuracy",
+        "hidden_clusters_found",
+        "hidden_types_true",
+        "n_known_cells",
+        "threshold",
+        "youden_threshold",
+        "seconds",
+    )
+    return {f"check_{k}": check[k] for k in keys}  # fmt: skip
 
 
 if __name__ == "__main__":

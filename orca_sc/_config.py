@@ -50,6 +50,15 @@ class DiscoveryConfig:
         warm-up instead of the main one, and cap the main warm-up's threshold at the probe's
         calibrated one (cross-fitting, :func:`orca_sc._discover.probe_threshold`): every label
         trains the model, at the cost of one more warm-up.
+    self_check, self_check_types, self_check_known
+        Run a self-check on the reference (DTC's probe classes): hide ``self_check_types`` of
+        the known types (at least one, each with at least ``n_neighbors`` labelled cells; two
+        stay known) and ``self_check_known`` of every other type's labelled cells (as a query
+        batch of their own where the real query is one), train a second warm-up without them
+        and run these rules; report
+        how many hidden-type cells they call novel, how many held-out known-type cells, and how
+        the hidden types are clustered (``uns['orca']['self_check']``). It measures the rules on
+        the data at hand at the cost of one more warm-up and does not change the annotation.
     resolution
         Leiden resolution of the candidate clusters, or ``"auto"``: the value of
         ``resolution_grid`` at which Leiden clusters of the labelled cells best match their
@@ -116,6 +125,9 @@ class DiscoveryConfig:
     calibration_fraction: float = 0.0
     calibration_max_cells: int = 2000
     calibration_probe: bool = False
+    self_check: bool = False
+    self_check_types: float = 0.25
+    self_check_known: float = 0.2
     resolution: float | str = "auto"
     resolution_grid: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
     fallback_resolution: float = 0.5
@@ -166,6 +178,8 @@ class DiscoveryConfig:
             "core_min_agree",
             "core_min_fraction",
             "no_warmup_rel_threshold",
+            "self_check_types",
+            "self_check_known",
         ):
             if not (_is_number(getattr(self, name)) and 0 <= getattr(self, name) <= 1):
                 _invalid(name, getattr(self, name), "a number in [0, 1]")
@@ -184,6 +198,8 @@ class DiscoveryConfig:
             _invalid("support_min", self.support_min, "a non-negative integer")
         if not isinstance(self.calibration_probe, bool):
             _invalid("calibration_probe", self.calibration_probe, "True or False")
+        if not isinstance(self.self_check, bool):
+            _invalid("self_check", self.self_check, "True or False")
         if not isinstance(self.hidden_novel, bool):
             _invalid("hidden_novel", self.hidden_novel, "True or False")
         thr = self.merge_threshold

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ from ._discover import (
     name_heads,
     pca_embedding,
     probe_threshold,
+    self_check_report,
+    self_check_split,
     subsample_rows,
 )
 from ._model import OrcaModel
@@ -91,6 +94,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
         lab = np.flatnonzero(data.labeled)
         cos = _seen_similarity(probe_net, cells, lab)[1].max(axis=1)
         cap = probe_threshold(cos, ~calib[lab], calib[lab], dc)
+    check = _self_check(cells, data, scale, offset, cfg, plan) if dc.self_check else None
     t1 = time.perf_counter()
     found, rows = _discover(
         net, cells, data, scale, offset, cfg, held, warmed_up=plan.warmup > 0, ood_cap=cap
@@ -101,7 +105,8 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     net, history_ow = fit_open_world(net, cells, data.labels, novel, cfg, plan, rand, pairs)
     t3 = time.perf_counter()
     logger.info("Novel heads: %d (estimated novel types: %d).", found.n_heads, found.n_novel)
-    for note in found.diagnostics.get("notes", []):  # where the data cannot support a call
+    notes = found.diagnostics.get("notes", []) + (check or {}).get("notes", [])
+    for note in notes:  # where the data cannot support a call
         logger.warning(note)
 
     anchor = align_info.get("anchor")
@@ -147,6 +152,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
             "found": len(order),
         },
         "estimate": estimate,
+        "self_check": check,
         "input_scale": data.input_scale,
         "alignment": {**align_info, "batches": data.domain_names},
         "data": data.info,
@@ -181,12 +187,61 @@ def _seen_similarity(net, cells, idx: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return emb, emb @ seen_w.T
 
 
+def _self_check(cells, data, scale, offset, cfg, plan) -> dict[str, Any]:
+    """The run-time self-check (``discovery.self_check``): a second warm-up without some known
+    types and some known-type cells (:func:`orca_sc._discover.self_check_split`), the discover
+    stage on it, and how the rules did (:func:`orca_sc._discover.self_check_report`).
+    """
+    dc = cfg.discovery
+    split = self_check_split(
+        data.labels, data.domain, type_fraction=dc.self_check_types,
+        known_fraction=dc.self_check_known, min_cells=dc.n_neighbors, seed=cfg.seed,
+    )  # fmt: skip
+    if split is None:
+        msg = (
+            f"no known type can be hidden: it needs three known types, one of them with at "
+            f"least {dc.n_neighbors} labelled cells"
+        )
+        return {"skipped": msg, "notes": []}
+    t0 = time.perf_counter()
+    n_keep = int(split.labels.max()) + 1
+    rand = TrainRandom(cfg.seed + 2, cells.device)
+    net, _ = fit_warmup(cells, split.labels, n_keep, cfg, plan, rand)
+    with warnings.catch_warnings():  # the probe's own notes are not the user's
+        warnings.simplefilter("ignore")
+        found, rows = _discover(
+            net, cells, data, scale, offset, cfg, np.zeros_like(split.novel),
+            warmed_up=True, labels=split.labels, domain=split.domain,
+        )  # fmt: skip
+    maxcos = _seen_similarity(net, cells, rows)[1].max(axis=1)
+    report = self_check_report(
+        found.assign, maxcos, found.diagnostics["threshold"], data.labels[rows],
+        split.subset(rows), data.classes, dc,
+    )  # fmt: skip
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
 def _discover(
-    net, cells, data, scale, offset, cfg, calib, *, warmed_up, ood_cap=None
+    net,
+    cells,
+    data,
+    scale,
+    offset,
+    cfg,
+    calib,
+    *,
+    warmed_up,
+    ood_cap=None,
+    labels=None,
+    domain=None,
 ) -> tuple[Discovery, np.ndarray]:
     """The discover stage on (at most ``discovery.max_cells``) cells ``rows``: returns what it
-    found, with indices into ``rows``, and ``rows``.
+    found, with indices into ``rows``, and ``rows``. ``labels`` and ``domain`` replace the
+    data's (the self-check hides some).
     """
+    labels = data.labels if labels is None else labels
+    domain = data.domain if domain is None else domain
     dc = cfg.discovery
     rows = subsample_rows(data.n_cells, cfg.seed, dc.max_cells)
 
@@ -198,22 +253,22 @@ def _discover(
     if not warmed_up:
         dim = cfg.hidden_dims[1]
         found = discover_without_warmup(
-            data.labels[rows], pca_of, dim, n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed
+            labels[rows], pca_of, dim, n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed
         )
         return found, rows
     emb, seen_similarity = _seen_similarity(net, cells, rows)
     found = discover(
         emb,
         seen_similarity,
-        data.labels[rows],
-        data.domain[rows],
+        labels[rows],
+        domain[rows],
         pca_of,
         calibration=calib[rows],
         ood_cap=ood_cap,
         n_novel=cfg.n_novel,
         cfg=dc,
         seed=cfg.seed,
-        domain_names=data.domain_names,
+        domain_names=[*data.domain_names, "self-check"],
     )
     return found, rows
 

@@ -280,6 +280,15 @@ def _echo_summary(summary: dict, metrics: dict | None) -> None:
                 click.echo(f"      top markers: {', '.join(rec['markers'])}")
     else:
         click.echo("No novel clusters: every cell was assigned to a known type.")
+    check = summary.get("self_check")
+    if check is not None:
+        click.echo(
+            f"Self-check (hidden reference types: {', '.join(check['hidden_types'])}): "
+            f"{check['novel_called']:.0%} of their cells called novel, in "
+            f"{check['hidden_clusters_found']} cluster(s) for {check['hidden_types_true']} "
+            f"type(s); {check['known_called_novel']:.0%} of {check['n_known_cells']} held-out "
+            "known-type cells called novel."
+        )
     if metrics is not None:
         click.echo(_metrics_table(metrics))
 
@@ -442,12 +451,18 @@ def _add(options):
 @click.option(
     "--save-model", default=None, help="Also save the trained model here (for 'orca-sc predict')."
 )
+@click.option(
+    "--self-check",
+    is_flag=True,
+    help="Also hide some reference types, treat them as novel and report how the discovery "
+    "rules did on them (one more warm-up; the annotation is unchanged).",
+)
 @_add(_result_opts)
 @_add(_output_opts)
 @click.pass_context
 def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer, batch_key,
-             unlabeled_category, epochs, warmup_epochs, min_steps, batch_size, lr, device, seed, save_model, truth_key,
-             report, overwrite, quiet):  # fmt: skip
+             unlabeled_category, epochs, warmup_epochs, min_steps, batch_size, lr, device, seed, save_model, self_check,
+             truth_key, report, overwrite, quiet):  # fmt: skip
     """Annotate QUERY.h5ad with the cell types of REF.h5ad, discovering novel types.
 
     Both files may hold raw counts or log-normalised values; genes are matched by name. The query
@@ -489,6 +504,7 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
             device=device,
             seed=seed,
             progress=not quiet,
+            self_check=self_check,
         )
         _check_device(device)
         outputs = _Outputs(overwrite, [reference, query])

@@ -56,7 +56,8 @@ def annotated(files):
     before = {n: _sha(files / n) for n in ("ref.h5ad", "query.h5ad")}
     args = ["annotate", str(files / "ref.h5ad"), str(files / "query.h5ad"), "--labels-key",
             "cell_type", "-o", str(d / "out.h5ad"), "--save-model", str(d / "model.pt"),
-            "--truth-key", "truth", "--report", str(d / "report.json"), *FAST_ARGS]  # fmt: skip
+            "--truth-key", "truth", "--report", str(d / "report.json"), "--self-check",
+            *FAST_ARGS]  # fmt: skip
     result = CliRunner().invoke(main, args)
     after = {n: _sha(files / n) for n in ("ref.h5ad", "query.h5ad")}
     return {"dir": d, "result": result, "before": before, "after": after}
@@ -95,12 +96,17 @@ def test_annotate_writes_annotated_query_model_and_report(annotated, files):
         assert any(line.split()[:2] == [label, str(n)] for line in so.splitlines())
     assert "novel_1 (" in so and "closest: type_" in so and "top markers:" in so
     assert f"seen accuracy    {rep['seen_accuracy']:.3f}" in so
+    # --self-check: one of the three reference types hidden, reported on stdout and in the JSON
+    check = out.uns["orca"]["self_check"]
+    assert len(check["hidden_types"]) == 1 and check["hidden_types"][0] in SEEN
+    assert f"Self-check (hidden reference types: {check['hidden_types'][0]})" in so
     # the report holds the same numbers
     js = json.loads((d / "report.json").read_text())
     assert js["metrics"]["novel_accuracy"] == pytest.approx(rep["novel_accuracy"])
     assert js["summary"]["label_counts"] == {
         str(k): int(v) for k, v in out.obs["orca_label"].value_counts().items()
     }
+    assert js["summary"]["self_check"]["novel_called"] == pytest.approx(check["novel_called"])
     nov = {rec["name"]: rec for rec in js["summary"]["novel"]}
     assert set(nov) == set(out.uns["orca"]["novel_cluster_sizes"])
     for rec in nov.values():

@@ -184,13 +184,18 @@ def test_few_labels_are_flagged_and_calibration_keeps_known_types_known():
     """A 200-cell reference (8 seen types, the rarest with ~10 labelled cells) and a 150-cell
     query (~12 cells per type). With the threshold taken on the cells the warm-up trained on
     (the default), 37-63% of the known-type cells were called novel at seeds 0-2 of the
-    development suite, and the output says the labels are few; calibrated on held-out cells
+    development suite, and the output says the labels are few (as does the self-check: it
+    called 100% of its held-out known-type cells novel at seeds 0-2); calibrated on held-out cells
     (``calibration_fraction=0.2``), known cells stay known (seen 0.85).
     """
     task = _sim_task(n_ref=200, n_query=150)
-    off, u_off = _run(task)
+    off, u_off = _run(task, self_check=True)
     notes = u_off["estimate"]["notes"]
     assert any("Few labelled cells per known type" in n for n in notes)
+    # the self-check sees it too: held-out known-type cells of the reference called novel
+    check = u_off["self_check"]
+    assert check["known_called_novel"] > 0.1 and check["n_known_cells"] >= 10
+    assert any("held-out known-type cells into novel" in n for n in check["notes"])
     # a 150-cell query cannot support small novel types: the output says so too
     assert any("unlabelled cells" in n for n in notes)
     r, u = _run(task, calibration_fraction=0.2)
@@ -200,12 +205,8 @@ def test_few_labels_are_flagged_and_calibration_keeps_known_types_known():
     assert off["known_called_novel"] > r["known_called_novel"]
 
 
-def test_probe_calibration_trains_on_every_label(monkeypatch):
-    """``calibration_probe``: the main warm-up trains on every labelled cell; a second warm-up
-    without the held-out cells calibrates a threshold that caps the main one. On the few-label
-    task the in-sample threshold is too high (known cells called novel), the probe's is lower,
-    and fewer known-type cells are called novel than with the default.
-    """
+def _count_warmup_labels(monkeypatch) -> list[int]:
+    """The number of labelled cells of every warm-up the pipeline trains, in order."""
     import orca_sc._pipeline as pipeline
 
     n_labelled = []
@@ -216,6 +217,16 @@ def test_probe_calibration_trains_on_every_label(monkeypatch):
         return real(cells, labels, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "fit_warmup", spy)
+    return n_labelled
+
+
+def test_probe_calibration_trains_on_every_label(monkeypatch):
+    """``calibration_probe``: the main warm-up trains on every labelled cell; a second warm-up
+    without the held-out cells calibrates a threshold that caps the main one. On the few-label
+    task the in-sample threshold is too high (known cells called novel), the probe's is lower,
+    and fewer known-type cells are called novel than with the default.
+    """
+    n_labelled = _count_warmup_labels(monkeypatch)
     task = _sim_task(n_ref=200, n_query=150)
     off, _ = _run(task)
     assert len(n_labelled) == 1
@@ -238,3 +249,98 @@ def test_small_corners_of_the_sweep():
     assert two["novel_found"] == 2 and two["novel_acc"] > 0.95
     none, u = _run(_sim_task(n_ref=600, n_query=600, n_novel=0))
     assert none["novel_found"] == 0 and u["n_novel"]["found"] == 0
+
+
+# ------------------------------------------------------------------------------- self-check
+def test_self_check_split_hides_whole_types_like_the_query():
+    """DTC-style probe: whole known types (with enough cells to form a cluster) are hidden, a
+    share of every other type's cells is held out, at least two types stay known and keep a
+    training cell; in reference + query data the hidden cells form a batch of their own.
+    """
+    from orca_sc._discover import self_check_split
+
+    sizes = [40, 30, 30, 20, 20, 20, 20, 5]  # type 7 is too small to hide
+    ref = np.repeat(np.arange(8), sizes)
+    labels = np.r_[ref, np.full(100, -1)]
+    domain = np.r_[np.zeros(ref.size, int), np.ones(100, int)]  # a separate query batch
+    for seed in range(5):
+        s = self_check_split(labels, domain, type_fraction=0.25, known_fraction=0.2, seed=seed)
+        assert s.held_types.size == 2 and 7 not in s.held_types
+        np.testing.assert_array_equal(s.novel, np.isin(labels, s.held_types))
+        assert not (s.known & s.novel).any() and not s.known[labels < 0].any()
+        kept = np.setdiff1d(np.arange(8), s.held_types)
+        for k in kept:  # ~20% held out, and every kept type still trains
+            n_held = int((s.known & (labels == k)).sum())
+            assert n_held == min(round(0.2 * sizes[k]), sizes[k] - 1)
+        train = s.labels >= 0
+        assert np.array_equal(train, (labels >= 0) & ~s.novel & ~s.known)
+        # kept types are recoded 0..5, in order
+        np.testing.assert_array_equal(np.unique(s.labels[train]), np.arange(6))
+        np.testing.assert_array_equal(kept[s.labels[train]], labels[train])
+        assert (s.domain[s.novel | s.known] == 2).all() and (s.domain[~(s.novel | s.known)] == domain[~(s.novel | s.known)]).all()  # fmt: skip
+    # one batch with labelled and unlabelled cells: the hidden cells stay in it
+    s = self_check_split(labels, np.zeros_like(labels), seed=0)
+    assert (s.domain == 0).all()
+    assert self_check_split(np.repeat([0, 1], 30), np.zeros(60, int)) is None  # 2 types
+    assert self_check_split(np.repeat([0, 1, 2], 5), np.zeros(15, int)) is None  # all tiny
+
+
+def test_youden_threshold_is_the_best_cut():
+    from orca_sc._discover import youden_threshold
+
+    t, j = youden_threshold(np.array([0.1, 0.2, 0.3]), np.array([0.25, 0.5, 0.6, 0.7]))
+    assert t == pytest.approx(0.4) and j == pytest.approx(0.75)
+    t, j = youden_threshold(np.array([0.1, 0.2]), np.array([0.5, 0.6]))
+    assert 0.2 < t < 0.5 and j == 1.0
+
+
+def test_self_check_report_scores_the_hidden_types():
+    """Two hidden types: one in its own candidate cluster, one split between a cluster of its
+    own and known cells; held-out known cells: one of four in a candidate cluster.
+    """
+    from orca_sc._discover import SelfCheckSplit, self_check_report
+
+    labels = np.array([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, -1, -1])
+    novel = np.isin(labels, [1, 2])
+    known = labels == 0
+    split = SelfCheckSplit(np.array([1, 2]), novel, known, np.where(novel | known, -1, labels),
+                           np.zeros_like(labels))  # fmt: skip
+    # cluster 2 also holds two unlabelled cells (of the hidden type, in one batch): it is
+    # judged on the cells whose type is known
+    assign = np.array([0, -1, -1, -1, 1, 1, 1, 1, 2, 2, -1, -1, 2, 2])
+    maxcos = np.array([0.5, 0.6, 0.7, 0.8, 0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.55, 0.65, 0, 0])
+    r = self_check_report(assign, maxcos, 0.4, labels, split, ["a", "b", "c"])
+    assert r["hidden_types"] == ["b", "c"]
+    assert r["novel_called"] == pytest.approx(6 / 8)
+    assert r["known_called_novel"] == pytest.approx(1 / 4)
+    assert r["hidden_accuracy"] == pytest.approx(6 / 8)
+    assert r["hidden_clusters_found"] == 2 and r["hidden_types_true"] == 2
+    assert r["novel_below_threshold"] == pytest.approx(6 / 8)
+    assert r["known_below_threshold"] == 0.0
+
+
+def test_self_check_reports_in_uns_and_leaves_the_annotation_alone(monkeypatch, tmp_path):
+    """``self_check=True`` trains a second warm-up without the hidden types and held-out cells,
+    reports how the rules did on them (on well-separated simulated types: nearly all hidden-type
+    cells called novel, few held-out known cells), writes it to h5ad, and changes nothing else.
+    """
+    import anndata as ad
+
+    n_labelled = _count_warmup_labels(monkeypatch)
+    task = _sim_task(n_ref=600, n_query=400)
+    off, u_off = _run(task)
+    on, u = _run(task, self_check=True)
+    assert n_labelled[1] == n_labelled[0] and n_labelled[2] < n_labelled[0]
+    assert on == off
+    check = u["self_check"]
+    assert 1 <= len(check["hidden_types"]) <= len(u["seen_classes"]) - 2
+    assert set(check["hidden_types"]) <= set(u["seen_classes"])
+    assert check["novel_called"] >= 0.8 and check["known_called_novel"] <= 0.1
+    assert check["hidden_clusters_found"] >= 1
+    from orca_sc.benchmark import annotate_task
+
+    q, _ = annotate_task(task, 0, self_check=True)
+    q.write_h5ad(tmp_path / "q.h5ad")
+    back = ad.read_h5ad(tmp_path / "q.h5ad").uns["orca"]["self_check"]
+    assert list(back["hidden_types"]) == check["hidden_types"]
+    assert float(back["known_called_novel"]) == check["known_called_novel"]

@@ -107,7 +107,11 @@ def annotate(
         ``correlation``), ``n_novel`` (requested / estimated / heads used / found), ``estimate``
         (what the discover stage found: candidate sizes, how many came from
         out-of-distribution cells, query-batch clusters and hidden sub-clusters, label deserts,
-        the Leiden resolution and its calibration scores, the threshold), ``input_scale``
+        the Leiden resolution and its calibration scores, the threshold), ``self_check`` (with
+        ``self_check=True``: the known types hidden, the share of their cells the discover rules
+        called novel, the share of held-out known-type cells they called novel, the hidden
+        types' clustering accuracy, clusters found against types hidden, the threshold beside
+        the best cut on the hidden cells (Youden), and notes), ``input_scale``
         (detected per input), ``alignment`` (method and batches), ``data`` (labelled and
         unlabelled cells, shared and used genes), ``history`` (per-epoch losses, uncertainty,
         margin, warm-up and anchor flags, steps), ``training`` (epochs, steps, seconds of

@@ -45,7 +45,9 @@ def summarize(
     -------
     A JSON-able dict: ``n_cells``, ``label_counts`` (label → cells, largest first),
     ``mean_confidence`` and ``novel`` (one record per novel cluster: ``name``, ``size``,
-    ``markers``, ``closest`` as ``[{"type", "similarity"}]``).
+    ``markers``, ``closest`` as ``[{"type", "similarity"}]``), and ``self_check`` when the run
+    made one (``annotate(..., self_check=True)``: hidden types, the share of their cells called
+    novel, the share of held-out known-type cells called novel, clusters found).
 
     """
     col = f"{key_added}_label"
@@ -75,12 +77,24 @@ def summarize(
                 "closest": [{"type": t, "similarity": round(float(v), 3)} for t, v in closest],
             }
         )
-    return {
+    out = {
         "n_cells": int(adata.n_obs),
         "label_counts": {str(k): int(v) for k, v in counts.items()},
         "mean_confidence": float(np.mean(adata.obs[f"{key_added}_confidence"])),
         "novel": novel,
     }
+    check = uns.get("self_check")
+    if check is not None and "novel_called" in check:
+        keys = ("hidden_types", "novel_called", "known_called_novel", "hidden_accuracy",
+                "hidden_clusters_found", "hidden_types_true", "n_known_cells")  # fmt: skip
+        out["self_check"] = {k: _plain(check[k]) for k in keys}
+    return out
+
+
+def _plain(v: Any) -> Any:
+    """A value read back from h5ad (numpy arrays and scalars) as plain JSON."""
+    v = v.tolist() if isinstance(v, np.ndarray) else v
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def _markers(
