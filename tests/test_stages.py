@@ -184,18 +184,13 @@ def test_few_labels_are_flagged_and_calibration_keeps_known_types_known():
     """A 200-cell reference (8 seen types, the rarest with ~10 labelled cells) and a 150-cell
     query (~12 cells per type). With the threshold taken on the cells the warm-up trained on
     (the default), 37-63% of the known-type cells were called novel at seeds 0-2 of the
-    development suite, and the output says the labels are few (as does the self-check: it
-    called 100% of its held-out known-type cells novel at seeds 0-2); calibrated on held-out cells
+    development suite, and the output says the labels are few; calibrated on held-out cells
     (``calibration_fraction=0.2``), known cells stay known (seen 0.85).
     """
     task = _sim_task(n_ref=200, n_query=150)
-    off, u_off = _run(task, self_check=True)
+    off, u_off = _run(task)
     notes = u_off["estimate"]["notes"]
     assert any("Few labelled cells per known type" in n for n in notes)
-    # the self-check sees it too: held-out known-type cells of the reference called novel
-    check = u_off["self_check"]
-    assert check["known_called_novel"] > 0.1 and check["n_known_cells"] >= 10
-    assert any("held-out known-type cells into novel" in n for n in check["notes"])
     # a 150-cell query cannot support small novel types: the output says so too
     assert any("unlabelled cells" in n for n in notes)
     r, u = _run(task, calibration_fraction=0.2)
@@ -337,6 +332,14 @@ def test_self_check_reports_in_uns_and_leaves_the_annotation_alone(monkeypatch, 
     assert set(check["hidden_types"]) <= set(u["seen_classes"])
     assert check["novel_called"] >= 0.8 and check["known_called_novel"] <= 0.1
     assert check["hidden_clusters_found"] >= 1
+    assert not check["notes"]
+    # a 200-cell reference on 1,000 genes: the warm-up memorises its few labels and 63% of the
+    # query's known-type cells are called novel; the self-check sees it on the reference and
+    # says so (its held-out known-type cells: 100% called novel)
+    few, u_few = _run(_sim_task(n_ref=200, n_query=150, n_genes=1000), self_check=True)
+    assert few["known_called_novel"] > 0.3
+    assert u_few["self_check"]["known_called_novel"] > 0.3
+    assert any("held-out known-type cells into novel" in n for n in u_few["self_check"]["notes"])
     from orca_sc.benchmark import annotate_task
 
     q, _ = annotate_task(task, 0, self_check=True)
