@@ -117,10 +117,12 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
         data.genes,
         data.classes,
         list(data.classes) + [f"_head{i}" for i in range(found.n_heads)],
-        class_centroids(data.X[anchor_rows], data.labels[anchor_rows], n_seen),
+        # labels outside the anchor batch masked instead of a copy of its rows (same sums)
+        class_centroids(data.X, np.where(anchor_rows, data.labels, -1), n_seen),
         history + history_ow,
     )
-    pred = model.predict_arrays(data.X, data.domain, scale, offset)
+    pred = model.predict_cells(cells)
+    del cells  # the training matrix on the device
     names, merged, order = _name(data, pred.head, found.n_heads, cfg)
     model.head_names = names
     model.calibrate_novelty(pred.embedding[data.labeled])
