@@ -94,7 +94,9 @@ class DiscoveryConfig:
     hidden_novel, hidden_alpha, hidden_max_rel_fraction
         Look inside every seen class for a sub-cluster with too few labels (binomial p below
         ``hidden_alpha`` and a labelled fraction below ``hidden_max_rel_fraction`` times the
-        class's): a novel type a seen head absorbed (sim: two related types, one labelled).
+        class's): a novel type a seen head absorbed (sim: two related types, one labelled; on
+        the development suite, which has no such cell, it changes only pbmc68k: seen 0.788 ->
+        0.776, all 0.676 -> 0.681).
 
     Batches without labelled cells (a separate query)
     -------------------------------------------------
@@ -113,8 +115,10 @@ class DiscoveryConfig:
     merge_threshold
         A novel cluster found in a batch without labelled cells of a known type is reported as
         that type when their within-batch marker signatures correlate at least this much
-        (closed-world baron mouse 2 -> 1: 6.4% -> 0.9% of known cells called novel). ``None``
-        keeps every novel cluster.
+        (closed-world baron mouse 2 -> 1: 6.4% -> 0.9% of known cells called novel; whole
+        development suite, 3 seeds, without it: mean seen 0.894 -> 0.862, baron 1 -> 2 0.939 ->
+        0.716, 200-cell reference 0.826 -> 0.312, novel accuracy unchanged). ``None`` keeps
+        every novel cluster.
     no_warmup_rel_threshold
         Without a warm-up (``warmup_epochs=0``) the number of novel types is the number of
         Leiden clusters of all cells whose labelled fraction is below this times the overall one.
