@@ -609,12 +609,18 @@ def calibration_split(
     (split conformal): ``fraction`` of each class's labelled cells, rounded, at most
     ``max_cells`` in all, and never a class's last training cell. Returns a boolean mask.
     """
-    held = np.zeros(labels.shape[0], dtype=bool)
     n_lab = int((labels >= 0).sum())
     frac = min(fraction, max_cells / max(n_lab, 1))
     if frac <= 0:
-        return held
-    rng = np.random.default_rng(seed)
+        return np.zeros(labels.shape[0], dtype=bool)
+    return _hold_out_per_class(labels, frac, np.random.default_rng(seed))
+
+
+def _hold_out_per_class(labels: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndarray:
+    """``frac`` of each class's labelled cells (rounded), drawn with ``rng``, never a class's last
+    cell (``labels < 0``: no class). Returns a boolean mask.
+    """
+    held = np.zeros(labels.shape[0], dtype=bool)
     for k in np.unique(labels[labels >= 0]):  # loop over classes, not cells
         idx = np.flatnonzero(labels == k)
         n = min(int(round(frac * idx.size)), idx.size - 1)
@@ -706,12 +712,7 @@ def self_check_split(
     )
     held_types = np.sort(rng.choice(eligible, n_held, replace=False))
     novel = np.isin(labels, held_types)
-    known = np.zeros_like(novel)
-    for k in np.setdiff1d(classes, held_types):  # loop over classes, not cells
-        idx = np.flatnonzero(labels == k)
-        n = min(int(round(known_fraction * idx.size)), idx.size - 1)
-        if n > 0:
-            known[rng.choice(idx, n, replace=False)] = True
+    known = _hold_out_per_class(np.where(novel, -1, labels), known_fraction, rng)
     keep = np.setdiff1d(classes, held_types)
     recode = np.full(int(classes.max()) + 1, -1)
     recode[keep] = np.arange(keep.size)

@@ -96,7 +96,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
         cap = probe_threshold(cos, ~calib[lab], calib[lab], dc)
     check = _self_check(cells, data, scale, offset, cfg, plan) if dc.self_check else None
     t1 = time.perf_counter()
-    found, rows = _discover(
+    found, rows, _ = _discover(
         net, cells, data, scale, offset, cfg, held, warmed_up=plan.warmup > 0, ood_cap=cap
     )
     t2 = time.perf_counter()
@@ -211,11 +211,10 @@ def _self_check(cells, data, scale, offset, cfg, plan) -> dict[str, Any]:
     net, _ = fit_warmup(cells, split.labels, n_keep, cfg, plan, rand)
     with warnings.catch_warnings():  # the probe's own notes are not the user's
         warnings.simplefilter("ignore")
-        found, rows = _discover(
+        found, rows, maxcos = _discover(
             net, cells, data, scale, offset, cfg, np.zeros_like(split.novel),
             warmed_up=True, labels=split.labels, domain=split.domain,
         )  # fmt: skip
-    maxcos = _seen_similarity(net, cells, rows)[1].max(axis=1)
     report = self_check_report(
         found.assign, maxcos, found.diagnostics["threshold"], data.labels[rows],
         split.subset(rows), data.classes, dc,
@@ -237,10 +236,10 @@ def _discover(
     ood_cap=None,
     labels=None,
     domain=None,
-) -> tuple[Discovery, np.ndarray]:
+) -> tuple[Discovery, np.ndarray, np.ndarray | None]:
     """The discover stage on (at most ``discovery.max_cells``) cells ``rows``: returns what it
-    found, with indices into ``rows``, and ``rows``. ``labels`` and ``domain`` replace the
-    data's (the self-check hides some).
+    found, with indices into ``rows``, ``rows``, and their best cosine to a seen head (``None``
+    without a warm-up). ``labels`` and ``domain`` replace the data's (the self-check hides some).
     """
     labels = data.labels if labels is None else labels
     domain = data.domain if domain is None else domain
@@ -257,7 +256,7 @@ def _discover(
         found = discover_without_warmup(
             labels[rows], pca_of, dim, n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed
         )
-        return found, rows
+        return found, rows, None
     emb, seen_similarity = _seen_similarity(net, cells, rows)
     found = discover(
         emb,
@@ -272,7 +271,7 @@ def _discover(
         seed=cfg.seed,
         domain_names=[*data.domain_names, "self-check"],
     )
-    return found, rows
+    return found, rows, seen_similarity.max(axis=1)
 
 
 def _pair_features(data, scale, offset, cfg) -> np.ndarray | None:
