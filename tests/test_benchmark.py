@@ -174,6 +174,11 @@ def test_sim_tasks_of_the_development_suite():
     a0 = B.make_sim_task(settings["query150"], seed=0).query.X
     a1 = B.make_sim_task(settings["query150"], seed=1).query.X
     assert a0.shape != a1.shape or (a0 != a1).nnz > 0
+    # nested: two of the novel types are subtypes of seen types (cross-batch and protocol)
+    for name in ("nested2", "protocol_nested2"):
+        t = B.make_sim_task(settings[name], seed=0)
+        sub = t.reference.uns["simulation"]["subtype_of"]
+        assert len(sub) == 2 and set(sub) <= set(t.novel) and set(sub.values()) <= set(t.seen)
 
 
 def test_dev_suite_cli_reports_novel_calls_and_estimates(tmp_path):

@@ -184,6 +184,22 @@ def test_simulator_is_seeded_and_realistic():
     assert isinstance(a.obs.cell_type.dtype, pd.CategoricalDtype)
 
 
+def test_simulated_subtype_is_its_parent_plus_a_program_of_its_own():
+    plain = orca_sc.datasets.simulate(300, 200, 4, markers_per_type=20, seed=5)
+    a = orca_sc.datasets.simulate(300, 200, 4, markers_per_type=20, subtype_of={3: 1}, seed=5)
+    m, m0 = np.log(a.varm["type_means"]), np.log(plain.varm["type_means"])
+    # the other types' programs are those of the same seed without subtypes
+    np.testing.assert_allclose(m[:, :3], m0[:, :3], rtol=1e-5)
+    diff = m[:, 3] - m[:, 1]  # log-fractions: a constant offset (renormalisation) + own program
+    own = np.abs(diff - np.median(diff)) > 1e-4
+    assert own.sum() == 10  # half a type's markers, up-regulated only
+    assert (diff[own] > np.median(diff)).all()
+    assert a.uns["simulation"]["subtype_of"] == {"type_3": "type_1"}
+    for bad in ({3: 3}, {4: 1}, {3: 1, 1: 0}):
+        with pytest.raises(ValueError, match="subtype_of"):
+            orca_sc.datasets.simulate(300, 200, 4, subtype_of=bad, seed=5)
+
+
 def test_batch_key_missing_and_unlabelled_reference():
     genes = [f"g{i}" for i in range(150)]
     ref = _adata(np.ones((6, 150)), genes, ["a", "b"] * 3)

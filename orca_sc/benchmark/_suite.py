@@ -5,8 +5,8 @@ method is run on all of it, before and after.
 * the paper's protocol on every single-batch set (seeds draw the split);
 * a simulator sweep with known truth, one factor at a time around a base setting: query size
   (150 -> 50,000 cells, down to ~10 cells per type), labelled fraction (5% -> 90% in the
-  protocol, 100% in a reference), number of novel types (0 -> 20), batch strength and
-  imbalance; plus a 1,000-cell reference + 1,000-cell query of 5,000 genes whose wall time is
+  protocol, 100% in a reference), number of novel types (0 -> 20), batch strength,
+  imbalance and novel subtypes nested in seen types; plus a 1,000-cell reference + 1,000-cell query of 5,000 genes whose wall time is
   the small-data speed figure.
 
 Beside the paper's metrics the suite reports the share of novel-type cells called novel, the
@@ -37,7 +37,9 @@ class SimSetting:
     ``design="protocol"``: one batch of ``n_ref + n_query`` cells; ``labelled_fraction`` of each
     seen type's cells labelled, every other cell the query (the paper's protocol).
     The ``n_novel`` novel types are drawn at random among the ``n_seen + n_novel`` types (whose
-    sizes fall geometrically, largest ``imbalance`` times the smallest).
+    sizes fall geometrically, largest ``imbalance`` times the smallest); ``n_nested`` of them
+    are subtypes of a seen type drawn at random (its whole profile plus a program of their own:
+    a novel type a seen head can absorb).
     """
 
     name: str
@@ -50,6 +52,7 @@ class SimSetting:
     batch_strength: float = 0.3
     imbalance: float = 5.0
     n_genes: int = 1000
+    n_nested: int = 0
 
     def describe(self) -> str:
         base = SimSetting("base")
@@ -72,12 +75,17 @@ def make_sim_task(setting: SimSetting, seed: int) -> Task:
     rng = np.random.default_rng(10_000 + seed)
     types = [f"type_{t}" for t in range(n_types)]
     novel = sorted(rng.choice(types, s.n_novel, replace=False).tolist()) if s.n_novel else []
+    seen = [t for t in types if t not in novel]
+    code = {t: i for i, t in enumerate(types)}
+    subtype_of = {code[t]: code[rng.choice(seen)] for t in novel[: s.n_nested]}
     w = s.imbalance ** (-np.arange(n_types) / max(n_types - 1, 1))
     seen_share = w[[t not in novel for t in types]].sum() / w.sum()
     name = f"sim_{s.name}"
     if s.design == "protocol":
-        a = simulate(s.n_ref + s.n_query, s.n_genes, n_types, imbalance=s.imbalance, seed=seed)
-        seen = [t for t in types if t not in novel]
+        a = simulate(
+            s.n_ref + s.n_query, s.n_genes, n_types, imbalance=s.imbalance,
+            subtype_of=subtype_of, seed=seed,
+        )  # fmt: skip
         return protocol_split(
             a, "cell_type", seen_classes=seen, labeled_fraction=s.labelled_fraction, seed=seed,
             name=name,
@@ -91,6 +99,7 @@ def make_sim_task(setting: SimSetting, seed: int) -> Task:
         batch_strength=s.batch_strength,
         imbalance=s.imbalance,
         batch_weights=[n_ref_batch, s.n_query],
+        subtype_of=subtype_of,
         seed=seed,
     )
     return batch_split(
@@ -120,6 +129,8 @@ def sim_settings(large: bool = True) -> list[SimSetting]:
         replace(b, name="protocol_lab0.2", design="protocol", labelled_fraction=0.2),
         replace(b, name="protocol_lab0.5", design="protocol", labelled_fraction=0.5),
         replace(b, name="protocol_lab0.9", design="protocol", labelled_fraction=0.9),
+        replace(b, name="nested2", n_nested=2),
+        replace(b, name="protocol_nested2", design="protocol", n_nested=2),
         replace(b, name="speed_1k_1k", n_ref=1000, n_query=1000, n_genes=5000),
     ]
     if large:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -25,6 +25,8 @@ def simulate(
     library_sd: float = 0.4,
     dispersion: float = 5.0,
     batch_weights: Sequence[float] | None = None,
+    subtype_of: Mapping[int, int] | None = None,
+    subtype_markers: int | None = None,
     seed: int = 0,
 ):
     """Simulate a UMI count matrix of ``n_types`` cell types with negative-binomial noise.
@@ -33,6 +35,9 @@ def simulate(
       high), as in real data;
     * each cell type up-regulates its own program of ``markers_per_type`` genes by a log-normal fold
       around ``marker_fold`` (and down-regulates a few);
+    * a type ``t`` in ``subtype_of`` is a subtype of type ``subtype_of[t]``: its parent's whole
+      profile plus a program of its own of ``subtype_markers`` genes (default: half a type's),
+      e.g. a novel subtype nested in a known type;
     * type proportions fall geometrically: the largest type is ``imbalance`` times the smallest;
     * every batch multiplies each gene by ``exp(N(0, batch_strength))`` and shifts library sizes;
       cells fall into batches evenly, or with probabilities ``batch_weights``;
@@ -48,6 +53,15 @@ def simulate(
     if n_types < 1 or n_cells < n_types or n_genes < markers_per_type:
         msg = "simulate needs n_types >= 1, n_cells >= n_types and n_genes >= markers_per_type."
         raise ValueError(msg)
+    subtype_of = dict(subtype_of or {})
+    for t, p in subtype_of.items():
+        if not (0 <= t < n_types and 0 <= p < n_types) or t == p or p in subtype_of:
+            msg = (
+                f"subtype_of maps type codes in [0, {n_types}) to a different parent that is "
+                f"not itself a subtype; got {t} -> {p}."
+            )
+            raise ValueError(msg)
+    n_sub = markers_per_type // 2 if subtype_markers is None else subtype_markers
     rng = np.random.default_rng(seed)
     base = rng.gamma(0.4, 1.0, n_genes) + 1e-3  # (G,)
     log_means = np.tile(np.log(base), (n_types, 1))  # (T, G)
@@ -56,6 +70,12 @@ def simulate(
         log_means[t, up] += np.log(marker_fold) * rng.lognormal(0.0, 0.3, markers_per_type)
         down = rng.choice(n_genes, markers_per_type // 4, replace=False)
         log_means[t, down] -= np.log(marker_fold)
+    if subtype_of:  # drawn after the other programs, which stay those of the same seed without
+        sub_rng = np.random.default_rng([seed, 1])
+        for t, p in sorted(subtype_of.items()):
+            log_means[t] = log_means[p]
+            up = sub_rng.choice(n_genes, n_sub, replace=False)
+            log_means[t, up] += np.log(marker_fold) * sub_rng.lognormal(0.0, 0.3, n_sub)
     profiles = np.exp(log_means)
     profiles /= profiles.sum(axis=1, keepdims=True)  # (T, G) expression fractions
     weights = imbalance ** (-np.arange(n_types) / max(n_types - 1, 1))
@@ -103,6 +123,7 @@ def simulate(
         "marker_fold": marker_fold,
         "imbalance": imbalance,
         "batch_strength": batch_strength,
+        "subtype_of": {f"type_{t}": f"type_{p}" for t, p in sorted(subtype_of.items())},
         "seed": seed,
     }
     return adata
