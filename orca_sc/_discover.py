@@ -11,8 +11,7 @@ heads and finds the candidates:
   improbably few labelled neighbours (:func:`label_deserts`), clustered with Leiden at the
   resolution that matches the granularity of the labelled types (:func:`calibrate_resolution`);
 * :func:`query_ood_clusters`: in batches without labelled cells (a separate query), clusters of
-  the whole batch, voted by their share of out-of-distribution cells;
-* :func:`hidden_novel_clusters`: sub-clusters of a seen class without their share of labels.
+  the whole batch, voted by their share of out-of-distribution cells.
 
 Candidates of at least :func:`min_cluster_size` cells start the novel heads; their number is the
 estimate of ``n_novel``. After training, :func:`match_known_types` reports novel clusters that are
@@ -415,69 +414,6 @@ def ood_clusters(
     return assign, [int(counts[c]) for c in keep], tau
 
 
-def hidden_novel_clusters(
-    head: np.ndarray,
-    labels: np.ndarray,
-    same_batch: np.ndarray,
-    n_seen: int,
-    pca_of: Callable[[np.ndarray], np.ndarray],
-    *,
-    min_size: int,
-    resolution: float = 0.5,
-    alpha: float = _DEFAULTS.hidden_alpha,
-    max_rel_fraction: float = _DEFAULTS.hidden_max_rel_fraction,
-    seed: int = 0,
-    class_fraction: np.ndarray | None = None,
-    exclude: np.ndarray | None = None,
-    n_neighbors: int = _DEFAULTS.n_neighbors,
-) -> list[np.ndarray]:
-    """Novel types hiding inside seen heads, found from where labelled cells are missing.
-
-    Within a batch where cells were labelled at random (the same distribution as the unlabelled
-    ones), every sub-population of a known type carries its share of labelled cells. For each
-    seen class ``k``, the cells of those batches that belong to it (labelled ``k``, or unlabelled
-    with ``head == k``) are clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``);
-    a sub-cluster of at least ``min_size`` unlabelled cells whose labelled fraction is below
-    ``max_rel_fraction`` times the class's and improbably low under a binomial draw at the
-    class's fraction (one-sided p < ``alpha``) is a novel type the seen head absorbed (e.g. two
-    related epithelial types of which only one is labelled). Cells of batches without labelled
-    cells (a separate query) are not tested: there a missing label says nothing.
-
-    The class's labelled fraction is measured over its members, or given as ``class_fraction``
-    (better: the members include cells the head absorbed, which dilute it; see
-    :func:`labelled_neighbours`). Cells in ``exclude`` (e.g. cells of another known type that
-    the head absorbed, which lack its labels too: :func:`labelled_support`) are left out.
-
-    ``head``: the seen head of each unlabelled cell (ignored for labelled cells). Returns the
-    index arrays (into the given cells) of the unlabelled members of each such sub-cluster.
-    """
-    from scipy.stats import binom
-
-    lab = labels >= 0
-    found: list[np.ndarray] = []
-    for k in range(n_seen):  # loop over classes, not cells
-        members = np.flatnonzero(same_batch & ((lab & (labels == k)) | (~lab & (head == k))))
-        n_lab = int(lab[members].sum())
-        n_unl = members.size - n_lab
-        if n_lab < 2 or n_unl < min_size:
-            continue
-        frac = n_lab / members.size if class_fraction is None else class_fraction[k]
-        codes = leiden(pca_of(members), resolution, seed, n_neighbors=n_neighbors)
-        for c in np.unique(codes):
-            in_c = members[codes == c]
-            c_lab = int(lab[in_c].sum())
-            c_unl = in_c.size - c_lab
-            if c_unl < min_size or c_lab / in_c.size >= max_rel_fraction * frac:
-                continue
-            if binom.cdf(c_lab, in_c.size, frac) < alpha:
-                cells = in_c[~lab[in_c]]
-                if exclude is not None:
-                    cells = cells[~exclude[cells]]
-                if cells.size >= min_size:
-                    found.append(cells)
-    return found
-
-
 def novel_clusters(
     emb: np.ndarray,
     labeled: np.ndarray,
@@ -841,8 +777,7 @@ def discover(
     caps it (:func:`probe_threshold`).
 
     Candidates are clusters of unlabelled cells the seen heads do not explain
-    (:func:`ood_clusters`; in batches without labelled cells :func:`query_ood_clusters`), and
-    sub-clusters of seen classes that lack their share of labels (:func:`hidden_novel_clusters`).
+    (:func:`ood_clusters`; in batches without labelled cells :func:`query_ood_clusters`).
     With ``n_novel="auto"`` there is one novel head per candidate; a given number of heads takes
     the largest candidates first (random prototypes beyond them).
     """
@@ -939,25 +874,6 @@ def discover(
             n_neighbors=cfg.n_neighbors,
         )
     n_query = len(groups)
-    n_ood = len(sizes) + n_query
-    if cfg.hidden_novel:
-        # novel types that the seen heads absorbed: sub-clusters of a seen class without their
-        # share of labelled cells, in batches where cells were labelled
-        groups += hidden_novel_clusters(
-            np.where(assign >= 0, -1, best_seen),
-            labels,
-            ~query,
-            n_seen,
-            pca_cells,
-            min_size=min_size,
-            resolution=resolution,
-            alpha=cfg.hidden_alpha,
-            max_rel_fraction=cfg.hidden_max_rel_fraction,
-            seed=seed,
-            class_fraction=_class_fraction(nb_frac, tested, labels, n_seen),
-            exclude=supported,
-            n_neighbors=cfg.n_neighbors,
-        )
     for g in groups:
         assign[g] = len(sizes)
         sizes.append(int(g.size))
@@ -1021,8 +937,6 @@ def discover(
     diagnostics = {
         "n_novel": len(sizes),
         "cluster_sizes": list(sizes),
-        "n_out_of_distribution": n_ood,
-        "n_hidden_in_seen": len(sizes) - n_ood,
         "n_supported_by_labels": int(supported.sum()),
         "n_label_deserts": int(desert.sum()),
         "segregated_batches": [domain_names[d] if domain_names else str(d) for d in segregated],
@@ -1041,8 +955,7 @@ def discover(
             "of such cells"
             if query.any()
             else ""
-        )
-        + ("; sub-clusters of seen classes without labelled cells" if cfg.hidden_novel else ""),
+        ),
         "threshold": tau,
         **tau_info,
         "n_calibration": n_cal,
@@ -1093,19 +1006,6 @@ def discover_without_warmup(
         anchor_heads=none,
         diagnostics=diagnostics,
     )
-
-
-def _class_fraction(nb_frac, tested, labels, n_seen) -> np.ndarray | None:
-    """Each seen class's labelled fraction: the mean labelled fraction of the neighbourhoods of
-    its labelled cells (``None`` when no cell was tested).
-    """
-    lab = tested & (labels >= 0)
-    if not lab.any():
-        return None
-    sums = np.bincount(labels[lab], weights=nb_frac[lab], minlength=n_seen)
-    counts = np.bincount(labels[lab], minlength=n_seen)
-    overall = nb_frac[lab].mean()
-    return np.where(counts > 0, sums / np.maximum(counts, 1), overall)
 
 
 # ------------------------------------------------------------------------------------------

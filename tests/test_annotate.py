@@ -303,30 +303,25 @@ def test_auto_n_novel_without_warmup_uses_pca_estimate(small_sim):
     assert u["n_novel"]["heads"] == 2
 
 
-def test_hidden_novel_cells_absorbed_by_seen_heads_are_found(small_sim, monkeypatch):
-    """After the warm-up some novel cells sit in a seen head without being out-of-distribution;
-    the hidden-type test (a sub-cluster of a seen class without its share of labelled cells)
-    finds them, and only them: every cell it returns is of a novel type. Label deserts find
-    these cells first (they have no labelled neighbours), so they are switched off here; the
-    hidden-type test is for novel cells mixed among known ones.
+def test_a_novel_subtype_nested_in_a_seen_type_is_found_by_label_deserts():
+    """type_4 is a subtype of the seen type_0 (its whole profile plus a program of its own), so
+    type_0's head scores it confidently; nobody labelled it, so its cells sit among unlabelled
+    cells only (label deserts), become a candidate and end in a novel cluster of their own.
     """
-    import orca_sc._discover as ann
-
-    truth = small_sim.obs["cell_type"].astype(str).to_numpy()
-    calls = record_returns(monkeypatch, ann, "hidden_novel_clusters")
-    monkeypatch.setattr(ann, "label_deserts", lambda lab, *a, **k: np.zeros(lab.shape[0], bool))
-    fast = {**FAST, "epochs": 8}  # 5 epochs leave one type split over two heads (measured)
-    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **fast)
-    e = a.uns["orca"]["estimate"]
-    found = [g for groups in calls for g in groups]
-    assert e["n_hidden_in_seen"] == len(found) >= 1
-    assert e["n_out_of_distribution"] + e["n_hidden_in_seen"] == e["n_novel"]
-    cells = np.concatenate(found)
-    assert np.isin(truth[cells], ["type_3", "type_4"]).all()
-    assert a.uns["orca"]["n_novel"]["found"] == 2  # heads of one type merge in training
-    b = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, hidden_novel=False, **fast)
-    assert "sub-clusters" not in b.uns["orca"]["estimate"]["method"]
-    assert b.uns["orca"]["estimate"]["n_hidden_in_seen"] == 0
+    a = orca_sc.datasets.simulate(
+        900, 300, 5, markers_per_type=30, marker_fold=5.0, subtype_of={4: 0}, seed=3
+    )
+    a = open_world(a, ["type_0", "type_1", "type_2", "type_3"])
+    truth = a.obs["cell_type"].astype(str).to_numpy()
+    orca_sc.tl.annotate(a, labels_key="lab", **FAST)
+    label = a.obs["orca_label"].astype(str).to_numpy()
+    unl = a.obs["lab"].isna().to_numpy()
+    sub = unl & (truth == "type_4")
+    assert sub.sum() >= 50
+    assert np.char.startswith(label[sub].astype(str), "novel_").mean() > 0.9
+    assert len(set(label[sub])) == 1  # one cluster
+    parent = unl & (truth == "type_0")
+    assert (label[parent] == "type_0").mean() > 0.9
 
 
 def test_label_deserts_are_novel_cells_and_become_candidates(small_sim, monkeypatch):

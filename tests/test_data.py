@@ -256,26 +256,6 @@ def _hidden_fixture(seed=0):
     return emb, truth, labels, head, same_batch
 
 
-def test_hidden_novel_clusters_finds_a_type_absorbed_by_a_seen_head():
-    from orca_sc._discover import hidden_novel_clusters
-
-    emb, truth, labels, head, same_batch = _hidden_fixture()
-    groups = hidden_novel_clusters(
-        head, labels, same_batch, 2, lambda idx: emb[idx], min_size=5, resolution=0.5
-    )
-    assert len(groups) == 1
-    found = truth[groups[0]]
-    assert (found == "H").mean() > 0.95 and (found == "H").sum() >= 110
-    assert (labels[groups[0]] == -1).all()
-    # the shifted query batch has no labelled cells: not tested, so not called novel
-    assert not np.isin(groups[0], np.flatnonzero(~same_batch)).any()
-    # with the same batch flagged as labelled-batch, its lack of labels would count as evidence
-    all_batches = hidden_novel_clusters(
-        head, labels, np.ones_like(same_batch), 2, lambda idx: emb[idx], min_size=5
-    )
-    assert len(all_batches) == 2
-
-
 def test_label_deserts_are_the_cells_of_the_type_nobody_labelled():
     """H (never labelled) sits among unlabelled cells only: a desert, even though A's head scores
     it; unlabelled A and B cells sit among labelled ones; the query batch (no labels) is not
@@ -338,18 +318,6 @@ def test_calibrate_resolution_follows_the_granularity_of_the_labels():
     assert resolve_resolution(fine, lambda idx: emb[idx]) == (r_fine, s_fine)
     auto_off = resolve_resolution(fine, lambda idx: emb[idx], calibrate=False)
     assert auto_off == (defaults.fallback_resolution, [])
-
-
-def test_hidden_novel_clusters_leaves_randomly_labelled_substructure_alone():
-    from orca_sc._discover import hidden_novel_clusters
-
-    emb, truth, labels, head, same_batch = _hidden_fixture()
-    # label H's cells at the same rate as A's: then H is a sub-type of A, not a hidden novel type
-    rng = np.random.default_rng(1)
-    h = np.flatnonzero(truth == "H")
-    labels[h] = np.where(rng.random(h.size) < 0.5, 0, -1)
-    groups = hidden_novel_clusters(head, labels, same_batch, 2, lambda idx: emb[idx], min_size=5)
-    assert groups == []
 
 
 def test_labelled_support_keeps_poorly_scored_known_cells_out_of_novel_candidates():
@@ -439,7 +407,6 @@ def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():
         ("alignment", "magic"),
         ("device", "tpu"),
         ("seed", 1.5),
-        ("hidden_novel", "yes"),
         ("pair_space", "raw"),
         ("pair_pcs", 1),
         ("mutual_pairs", -1),
@@ -470,8 +437,6 @@ def test_every_config_field_is_validated(field, value):
         ("support_min", -1),
         ("desert_alpha", float("nan")),
         ("segregated_support", -1),
-        ("hidden_alpha", 2),
-        ("hidden_max_rel_fraction", "x"),
         ("query_resolution", 0),
         ("query_min_fraction", 1.1),
         ("query_min_enrichment", -2),
@@ -492,7 +457,13 @@ def test_discovery_config_round_trips_and_reads_old_model_configs():
     old = {**OrcaConfig().to_dict(), "resolution": 0.3, "hidden_novel": False}
     del old["discovery"]
     got = OrcaConfig.from_dict(old)
-    assert got.discovery.resolution == 0.3 and got.discovery.hidden_novel is False
+    assert got.discovery.resolution == 0.3 and got == OrcaConfig().replace(resolution=0.3)
+    # options of removed rules (hidden_novel, 0.2 development) are dropped, not errors
+    newer = cfg.to_dict()
+    newer["discovery"] |= {"hidden_novel": True, "hidden_alpha": 1e-3}
+    assert OrcaConfig.from_dict(newer) == cfg
+    with pytest.raises(TypeError, match="hidden_novel"):
+        orca_sc.DiscoveryConfig(hidden_novel=True)
     with pytest.raises(ValueError, match="Unknown configuration keys"):
         orca_sc.DiscoveryConfig.from_dict({"bogus": 1})
 

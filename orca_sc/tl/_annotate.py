@@ -105,8 +105,8 @@ def annotate(
         expression correlation with each known type), ``merged_into_known`` (novel clusters
         reported as a known type of another batch: columns ``cluster``, ``type``, ``n_cells``,
         ``correlation``), ``n_novel`` (requested / estimated / heads used / found), ``estimate``
-        (what the discover stage found: candidate sizes, how many came from
-        out-of-distribution cells, query-batch clusters and hidden sub-clusters, label deserts,
+        (what the discover stage found: candidate sizes, how many came from query-batch
+        clusters, cells supported by labels and label deserts, anchored cells,
         the Leiden resolution and its calibration scores, the threshold), ``self_check`` (with
         ``self_check=True``: the known types hidden, the share of their cells the discover rules
         called novel, the share of held-out known-type cells they called novel, the hidden
