@@ -322,6 +322,9 @@ def test_a_novel_subtype_nested_in_a_seen_type_is_found_by_label_deserts():
     assert len(set(label[sub])) == 1  # one cluster
     parent = unl & (truth == "type_0")
     assert (label[parent] == "type_0").mean() > 0.9
+    # without label deserts the parent's head keeps it (measured: none of its cells novel)
+    b = orca_sc.tl.annotate(a, labels_key="lab", copy=True, desert_alpha=0.0, **FAST)
+    assert (b.obs["orca_label"].astype(str).to_numpy()[sub] == "type_0").mean() > 0.9
 
 
 def test_label_deserts_are_novel_cells_and_become_candidates(small_sim, monkeypatch):
