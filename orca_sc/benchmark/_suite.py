@@ -6,8 +6,8 @@ method is run on all of it, before and after.
 * a simulator sweep with known truth, one factor at a time around a base setting: query size
   (150 -> 50,000 cells, down to ~10 cells per type), labelled fraction (5% -> 90% in the
   protocol, 100% in a reference), number of novel types (0 -> 20), batch strength,
-  imbalance and novel subtypes nested in seen types; plus a 1,000-cell reference + 1,000-cell query of 5,000 genes whose wall time is
-  the small-data speed figure.
+  imbalance and novel subtypes nested in seen types; plus a 1,000-cell reference + 1,000-cell
+  query of 5,000 genes whose wall time is the small-data speed figure.
 
 Beside the paper's metrics the suite reports the share of novel-type cells called novel, the
 share of known-type cells called novel, and the number of novel clusters found (and, for ORCA,
