@@ -25,7 +25,7 @@ from ._data import (
     to_log_normalized,
 )
 from ._errors import check_input_file
-from ._train import DeviceCSR, infer, resolve_device
+from ._train import CellMatrix, infer, resolve_device
 from .module import OrcaNet
 
 logger = logging.getLogger(__name__)
@@ -107,9 +107,9 @@ class OrcaModel:
         device: str | None = None,
     ) -> Prediction:
         dev = resolve_device(device or self.config.device)
-        return self.predict_cells(DeviceCSR(X, domain, scale, offset, dev))
+        return self.predict_cells(CellMatrix(X, domain, scale, offset, dev))
 
-    def predict_cells(self, cells: DeviceCSR) -> Prediction:
+    def predict_cells(self, cells: CellMatrix) -> Prediction:
         """:meth:`predict_arrays` on a training matrix already on the device (no second copy of
         the matrix: at 100,000 cells x 2,000 genes that copy was 1 GiB of peak memory).
         """

@@ -37,7 +37,7 @@ from ._discover import (
 )
 from ._model import OrcaModel
 from ._train import (
-    DeviceCSR,
+    CellMatrix,
     NovelHeads,
     TrainRandom,
     fit_open_world,
@@ -73,7 +73,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     scale, offset, align_info = compute_transform(
         cfg.alignment, data.X, data.labels, data.domain, len(data.domain_names), n_seen
     )
-    cells = DeviceCSR(data.X, data.domain, scale, offset, device)
+    cells = CellMatrix(data.X, data.domain, scale, offset, device)
     plan, rand = schedule(data.n_cells, cfg), TrainRandom(cfg.seed, device)
 
     # labelled cells held out of the warm-up calibrate the out-of-distribution threshold
@@ -122,6 +122,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
         history + history_ow,
     )
     pred = model.predict_cells(cells)
+    layout = cells.layout
     del cells  # the training matrix on the device
     names, merged, order = _name(data, pred.head, found.n_heads, cfg)
     model.head_names = names
@@ -165,6 +166,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
             "seconds": (t1 - t0) + (t3 - t2),
             "discovery_seconds": t2 - t1,
             "device": str(device),
+            "layout": layout,
         },
         "seed": cfg.seed,
         "version": __version__,

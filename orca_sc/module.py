@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -16,6 +17,58 @@ from torch import nn
 from ._config import HEAD_SCALE
 
 _EPS = 1e-7
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """A mini-batch for the first layer as sparse matrices: ``x`` ``(B, G)`` CSR with the
+    per-batch scale applied, its transpose ``xt`` ``(G, B)`` for the weight gradient, and the
+    per-batch offsets (``offset[domain]`` is added to every row; ``None``: no offset).
+    """
+
+    x: torch.Tensor
+    xt: torch.Tensor
+    domain: torch.Tensor
+    offset: torch.Tensor | None
+
+
+class _SparseMatmul(torch.autograd.Function):
+    """``x @ weight.T`` for a sparse ``x`` whose transpose is given: the weight gradient
+    ``grad.T @ x`` is then a sparse product too (torch's own backward of a CSR product is slower).
+    """
+
+    @staticmethod
+    def forward(ctx, x, xt, weight):  # (B, G) CSR, (G, B) CSR, (H, G) -> (B, H)
+        ctx.save_for_backward(xt)
+        return torch.sparse.mm(x, weight.t())  # a contiguous (G, H) for a column-major weight
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, H)
+        (xt,) = ctx.saved_tensors
+        return None, None, torch.sparse.mm(xt, grad).t()
+
+
+def first_linear(linear: torch.nn.Linear, x: torch.Tensor | SparseRows) -> torch.Tensor:
+    """``linear`` applied to a dense batch or to :class:`SparseRows` (same values: the aligned
+    row is ``x * scale + offset``, so its product is the sparse product plus ``offset @ W.T``).
+    """
+    if isinstance(x, torch.Tensor):
+        return linear(x)
+    out = _SparseMatmul.apply(x.x, x.xt, linear.weight)
+    if x.offset is not None:
+        out = out + (x.offset @ linear.weight.t())[x.domain]
+    return out + linear.bias
+
+
+def dropout(h: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Inverted dropout, as :func:`torch.nn.functional.dropout`, with the mask drawn from uniform
+    numbers: on 2 CPU threads 1.6 ms for 512 x 512 against 4.9 ms for torch's Bernoulli draws
+    (a quarter of a training step). Same distribution, another random stream.
+    """
+    if not training or p == 0:
+        return h
+    keep = torch.rand_like(h) >= p
+    return h * keep * (1.0 / (1.0 - p))
 
 
 class MLPBackbone(nn.Module):
@@ -36,9 +89,41 @@ class MLPBackbone(nn.Module):
             nn.ReLU(),
             nn.Dropout(dropout),
         )
+        # the first weight (h1, G) is stored column-major, i.e. as a contiguous (G, h1): the
+        # sparse first layer then multiplies by it and writes its gradient without a transposing
+        # copy (5.0 ms against 8.4 ms per step for 512 cells x 2,000 genes at 5.6% non-zeros);
+        # the dense product is as fast either way, and values and saved files are unchanged
+        first = self.net[0]
+        first.weight = nn.Parameter(first.weight.detach().t().contiguous().t())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, G) -> (B, D)
-        return self.net(x)
+    def forward(self, x: torch.Tensor | SparseRows) -> torch.Tensor:  # (B, G) -> (B, D)
+        return self._block2(self._trunk(x))
+
+    def _trunk(self, x: torch.Tensor | SparseRows) -> torch.Tensor:
+        """Linear -> BatchNorm -> ReLU: everything before the first dropout."""
+        h = first_linear(self.net[0], x)
+        return self.net[2](self.net[1](h))
+
+    def _block2(self, h: torch.Tensor) -> torch.Tensor:
+        """Dropout -> Linear -> BatchNorm -> ReLU -> Dropout."""
+        for layer in self.net[3:]:
+            h = dropout(h, layer.p, self.training) if isinstance(layer, nn.Dropout) else layer(h)
+        return h
+
+    def forward_views(self, x: torch.Tensor | SparseRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two forward passes of the same cells that differ only in their dropout masks (ORCA's
+        two views of a cell), sharing the computation before the first dropout: the first
+        layer (the costliest, ``G x h1``) runs once. Same values and gradients as two calls of
+        :meth:`forward`, and the first BatchNorm's running statistics move as they would for
+        two passes. Returns the two ``(B, D)`` embeddings.
+        """
+        bn = self.net[1]
+        h = first_linear(self.net[0], x)
+        a = self.net[2](bn(h))
+        if bn.training and bn.track_running_stats:
+            with torch.no_grad():  # the second pass's update of the running statistics
+                bn(h.detach())
+        return self._block2(a), self._block2(a)
 
 
 class NormedLinear(nn.Module):
@@ -73,9 +158,16 @@ class OrcaNet(nn.Module):
         self.backbone = MLPBackbone(n_genes, hidden_dims, dropout)
         self.head = NormedLinear(hidden_dims[1], n_heads)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | SparseRows) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.backbone(x)  # (B, D)
         return self.head(z), z  # (B, K) logits, (B, D) features
+
+    def forward_views(self, x: torch.Tensor | SparseRows):
+        """:meth:`forward` twice, with two dropout masks (see :meth:`MLPBackbone.forward_views`):
+        ``((logits, features), (logits2, features2))``.
+        """
+        z1, z2 = self.backbone.forward_views(x)
+        return (self.head(z1), z1), (self.head(z2), z2)
 
     @property
     def n_heads(self) -> int:
@@ -109,6 +201,21 @@ def margin_cross_entropy(
         return logits.sum() * 0.0
     onehot = F.one_hot(target, logits.shape[1]).to(logits.dtype)  # (n, K)
     return F.cross_entropy(logits + scale * margin * onehot, target)
+
+
+def masked_margin_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, margin: float, scale: float = HEAD_SCALE
+) -> torch.Tensor:
+    """:func:`margin_cross_entropy` over the rows with ``target >= 0`` (the others are
+    ignored; 0 when there are none), without selecting them: a boolean selection would make a
+    GPU wait for the host on every step.
+    """
+    lab = target >= 0
+    onehot = F.one_hot(target.clamp_min(0), logits.shape[1]).to(logits.dtype)  # (B, K)
+    total = F.cross_entropy(
+        logits + scale * margin * onehot, target, ignore_index=-1, reduction="sum"
+    )
+    return total / lab.sum().clamp_min(1)
 
 
 def pairwise_loss(prob: torch.Tensor, prob_pair: torch.Tensor) -> torch.Tensor:
@@ -178,7 +285,9 @@ def select_pairs(
     # labelled: random same-class partner, via argmax of random scores over allowed partners
     lab = labels >= 0
     same = (labels[:, None] == labels[None, :]) & lab[:, None] & lab[None, :] & ~eye
-    scores = torch.rand((n, n), generator=generator, device="cpu").to(device)
+    # drawn where the generator lives (the training device: no copy from the host)
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    scores = torch.rand((n, n), generator=generator, device=gen_device).to(device)
     scores = scores.masked_fill(~same, -1.0)
     partner = scores.argmax(dim=1)
     has_partner = same.any(dim=1)
@@ -243,8 +352,7 @@ def orca_objective(
     :mod:`orca_sc.vision`.
     """
     zero = logits.sum() * 0.0
-    lab = labels >= 0
-    sup = margin_cross_entropy(logits[lab], labels[lab], margin, scale) if supervised else zero
+    sup = masked_margin_cross_entropy(logits, labels, margin, scale) if supervised else zero
     prob = F.softmax(logits, dim=1)
     prob2 = F.softmax(logits_pair, dim=1)
     pair_idx = select_pairs(pair_space, labels, generator, mutual=mutual)
