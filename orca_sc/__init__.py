@@ -10,6 +10,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 from . import datasets, metrics, pl, tl  # noqa: E402
 from ._config import HEAD_SCALE, DiscoveryConfig, OrcaConfig  # noqa: E402
 from ._data import OrcaInputError  # noqa: E402
+from ._io import read_lazy  # noqa: E402
 from ._model import OrcaModel  # noqa: E402
 from ._train import TrainingDivergedError  # noqa: E402
 
@@ -23,6 +24,7 @@ __all__ = [
     "datasets",
     "metrics",
     "pl",
+    "read_lazy",
     "tl",
     "__version__",
 ]

@@ -97,6 +97,105 @@ def get_matrix(adata: Any, layer: str | None, what: str) -> sp.csr_matrix:
     return X
 
 
+#: cells read, checked and normalised at a time from a matrix on disk (backed h5ad, zarr): the
+#: host memory of one chunk is about ``CHUNK_CELLS`` x genes x non-zero share x 12 bytes
+CHUNK_CELLS = 10_000
+
+
+def _source_matrix(adata: Any, layer: str | None, what: str) -> tuple[Any, str]:
+    """``.X`` or a layer, as stored (in memory, or a backed / lazy array), and where it is."""
+    if adata.n_obs == 0:
+        msg = f"The {what} has no cells (n_obs = 0); pass an AnnData with at least one cell."
+        raise OrcaInputError(msg)
+    if adata.n_vars == 0:
+        msg = f"The {what} has no genes (n_vars = 0); pass an AnnData with expression values."
+        raise OrcaInputError(msg)
+    if layer is None:
+        if adata.X is None:
+            msg = f"The {what} has no .X; pass layer= naming the layer with expression values."
+            raise OrcaInputError(msg)
+        return adata.X, ".X"
+    if layer not in adata.layers:
+        avail = ", ".join(map(repr, adata.layers.keys())) or "none"
+        msg = f"Layer {layer!r} not found in the {what}; available layers: {avail}."
+        raise OrcaInputError(msg)
+    return adata.layers[layer], f".layers[{layer!r}]"
+
+
+def on_disk(adata: Any, layer: str | None = None) -> bool:
+    """Whether the expression matrix of ``adata`` is read from disk on access (a backed h5ad,
+    a zarr store opened with :func:`orca_sc.read_lazy`): it is then streamed in chunks.
+    """
+    X = adata.X if layer is None else adata.layers.get(layer) if layer in adata.layers else None
+    return X is not None and not isinstance(X, np.ndarray) and not sp.issparse(X)
+
+
+class ChunkReader:
+    """The expression matrix of ``adata`` read ``CHUNK_CELLS`` cells at a time, each chunk
+    checked like :func:`get_matrix` and log-normalised (counts) or kept (already
+    log-normalised). The value scale is told from the first chunk; a later chunk of counts with
+    non-integer values is an error. Never holds more than one chunk.
+    """
+
+    def __init__(
+        self,
+        adata: Any,
+        layer: str | None,
+        what: str,
+        target_sum: float,
+        chunk: int | None = None,
+    ) -> None:
+        self.X, self.source = _source_matrix(adata, layer, what)
+        self.what = what
+        self.n_obs = adata.n_obs
+        self.target_sum = target_sum
+        self.chunk = chunk or CHUNK_CELLS
+        self.scale: str | None = None
+        self.n_empty = 0
+
+    def __iter__(self):
+        """``(start, stop, chunk)`` with the chunk a log-normalised CSR float32 matrix."""
+        where = f"{self.what} {self.source}"
+        nnz = 0
+        self.n_empty = 0
+        for start in range(0, self.n_obs, self.chunk):
+            stop = min(self.n_obs, start + self.chunk)
+            block = self.X[start:stop]
+            m = sp.csr_matrix(block) if sp.issparse(block) else None
+            if m is None:
+                arr = np.asarray(block)
+                _check_values(arr.ravel(), where)
+                m = sp.csr_matrix(arr, dtype=np.float32)
+            else:
+                _check_values(m.data, where)
+                m = m.astype(np.float32, copy=False)
+                if not m.has_canonical_format:
+                    m = m.copy()
+                    m.sum_duplicates()
+            nnz += m.nnz
+            if self.scale is None:
+                self.scale = detect_scale(m) if m.nnz else None
+            elif self.scale == "counts" and not np.all(m.data == np.floor(m.data)):
+                msg = (
+                    f"The {where} holds integer counts in its first cells but non-integer values "
+                    f"in cells {start}-{stop - 1}; pass one kind of values (all counts, or all "
+                    "log-normalised)."
+                )
+                raise OrcaInputError(msg)
+            if self.scale in (None, "counts"):
+                self.n_empty += int((np.diff(m.indptr) == 0).sum())
+                m = log_normalize(m, self.target_sum, warn=False)
+            yield start, stop, m
+        if nnz == 0:
+            msg = (
+                f"The {where} holds only zeros; pass the layer with its counts or "
+                "log-normalised expression (layer=...)."
+            )
+            raise OrcaInputError(msg)
+        if self.scale is None:
+            self.scale = "counts"
+
+
 def _check_values(data: np.ndarray, where: str) -> None:
     if data.dtype.kind not in "biuf":
         msg = (
@@ -173,22 +272,26 @@ def _linear_not_log(X: sp.csr_matrix, max_cells: int = 500) -> bool:
     return linear < 1e-3 and logged > max(10 * linear, 1e-3)
 
 
-def log_normalize(X: sp.csr_matrix, target_sum: float) -> sp.csr_matrix:
+def log_normalize(X: sp.csr_matrix, target_sum: float, warn: bool = True) -> sp.csr_matrix:
     """Counts -> ``log1p(target_sum * x / total)`` per cell; sparse in, sparse out."""
     totals = np.asarray(X.sum(axis=1)).ravel()
     n_empty = int((totals == 0).sum())
-    if n_empty:
-        warnings.warn(
-            f"{n_empty} cells have no counts; they stay all-zero after normalisation. "
-            "Filter them out (sc.pp.filter_cells(adata, min_counts=1)) for cleaner results.",
-            UserWarning,
-            stacklevel=4,
-        )
+    if n_empty and warn:
+        _warn_empty(n_empty)
     factors = np.divide(target_sum, totals, out=np.zeros_like(totals), where=totals > 0)
     Y = sp.csr_matrix(X, dtype=np.float32, copy=True)
     Y.data *= np.repeat(factors, np.diff(Y.indptr)).astype(np.float32)
     np.log1p(Y.data, out=Y.data)
     return Y
+
+
+def _warn_empty(n_empty: int) -> None:
+    warnings.warn(
+        f"{n_empty} cells have no counts; they stay all-zero after normalisation. "
+        "Filter them out (sc.pp.filter_cells(adata, min_counts=1)) for cleaner results.",
+        UserWarning,
+        stacklevel=5,
+    )
 
 
 def to_log_normalized(X: sp.csr_matrix, target_sum: float) -> tuple[sp.csr_matrix, str]:
@@ -381,28 +484,37 @@ def prepare(
     _check_n_novel(config.n_novel, int((labels < 0).sum()), config.discovery.min_cluster_cells)
     n_shared = len(genes)
 
-    Xq = get_matrix(adata, config.layer, what_q)
-    Xq, scale_q = to_log_normalized(Xq, config.target_sum)
-    input_scale = {what_q: scale_q}
-    if reference is None:
-        X = Xq
-    else:
-        Xr = get_matrix(reference, config.layer, "reference")
-        Xr, scale_r = to_log_normalized(Xr, config.target_sum)
-        input_scale["reference"] = scale_r
-        if unl.any():
-            logger.info("Dropping %d unlabelled reference cells.", int(unl.sum()))
-        r_idx = reference.var_names.get_indexer(genes)
-        q_idx = adata.var_names.get_indexer(genes)
-        X = sp.vstack([Xr[keep][:, r_idx], Xq[:, q_idx]], format="csr", dtype=np.float32)
-
     domain_names, domain = np.unique(domain_raw.astype(str), return_inverse=True)
-    _check_expressed(X, domain, domain_names, config.batch_key)
-    hv = select_genes(X, genes, domain, config.n_genes)
-    X = X[:, hv].tocsr()
+    if reference is not None and unl.any():
+        logger.info("Dropping %d unlabelled reference cells.", int(unl.sum()))
+    streamed = on_disk(adata, config.layer) or (
+        reference is not None and on_disk(reference, config.layer)
+    )
+    if streamed:  # read from disk chunk by chunk; only the selected genes are held
+        parts = [(adata, what_q, None, adata.var_names.get_indexer(genes))]
+        if reference is not None:
+            parts.insert(0, (reference, "reference", keep, reference.var_names.get_indexer(genes)))
+        X, hv, input_scale = _read_streamed(parts, domain, domain_names, config)
+    else:
+        Xq = get_matrix(adata, config.layer, what_q)
+        Xq, scale_q = to_log_normalized(Xq, config.target_sum)
+        input_scale = {what_q: scale_q}
+        if reference is None:
+            X = Xq
+        else:
+            Xr = get_matrix(reference, config.layer, "reference")
+            Xr, scale_r = to_log_normalized(Xr, config.target_sum)
+            input_scale["reference"] = scale_r
+            r_idx = reference.var_names.get_indexer(genes)
+            q_idx = adata.var_names.get_indexer(genes)
+            X = sp.vstack([Xr[keep][:, r_idx], Xq[:, q_idx]], format="csr", dtype=np.float32)
+        _check_expressed(np.diff(X.indptr), domain, domain_names, config.batch_key, X.shape[1])
+        hv = select_genes(X, genes, domain, config.n_genes)
+        X = X[:, hv].tocsr()
     X.sort_indices()
     genes = [genes[i] for i in hv]
     info = {
+        "streamed": bool(streamed),
         "n_shared_genes": n_shared,
         "n_genes_used": len(genes),
         "n_labeled": int((labels >= 0).sum()),
@@ -421,18 +533,64 @@ def prepare(
     )
 
 
+def _read_streamed(parts, domain: np.ndarray, domain_names: np.ndarray, config: OrcaConfig):
+    """The streamed counterpart of reading, normalising, joining and selecting genes in
+    :func:`prepare`, for inputs on disk. ``parts``: ``(adata, what, rows kept or None, column of
+    each shared gene)`` in row order. Two passes over each input: the first accumulates the
+    per-batch gene statistics of the highly variable gene selection
+    (:class:`orca_sc._hvg.GeneStats`, same genes as scanpy on the whole matrix), the second
+    keeps the selected genes. Peak memory: the selected matrix twice (its chunks, then joined)
+    plus one chunk of all genes. Returns ``(X, selected gene indices, input scales)``.
+    """
+    from ._hvg import GeneStats, select_from_stats
+
+    n_shared, n_domains = len(parts[0][3]), len(domain_names)
+    stats = GeneStats(n_domains, n_shared)
+    readers, offset = [], 0
+    for adata, what, keep, cols in parts:
+        reader = ChunkReader(adata, config.layer, what, config.target_sum)
+        for start, stop, m in reader:
+            rows = np.arange(start, stop) if keep is None else keep[(keep >= start) & (keep < stop)]
+            d = domain[offset : offset + rows.size]
+            stats.add(m[rows - start][:, cols], d)
+            offset += rows.size
+        if reader.n_empty:
+            _warn_empty(reader.n_empty)
+        readers.append(reader)
+    per_batch = stats.nnz.sum(axis=1)
+    _check_expressed(per_batch, np.arange(n_domains), domain_names, config.batch_key, n_shared)
+    hv = select_from_stats(stats, config.n_genes)
+    del stats
+    blocks = []
+    for reader, (_, _, keep, cols) in zip(readers, parts, strict=True):
+        for start, stop, m in reader:
+            rows = np.arange(start, stop) if keep is None else keep[(keep >= start) & (keep < stop)]
+            blocks.append(m[rows - start][:, cols[hv]])
+    X = sp.vstack(blocks, format="csr", dtype=np.float32)
+    return (
+        X,
+        hv,
+        {what: reader.scale for reader, (_, what, _, _) in zip(readers, parts, strict=True)},
+    )
+
+
 def _check_expressed(
-    X: sp.csr_matrix, domain: np.ndarray, names: np.ndarray, batch_key: str | None
+    nnz_per_cell: np.ndarray,
+    domain: np.ndarray,
+    names: np.ndarray,
+    batch_key: str | None,
+    n_genes: int,
 ) -> None:
     """Every batch (the reference and the query without ``batch_key``) must express some of the
-    genes used; an all-zero batch has nothing to align or annotate.
+    genes used; an all-zero batch has nothing to align or annotate. ``nnz_per_cell``: stored
+    values per cell (``domain``: its batch), or per batch with ``domain = arange``.
     """
-    nnz = np.bincount(domain, weights=np.diff(X.indptr), minlength=len(names))
+    nnz = np.bincount(domain, weights=nnz_per_cell, minlength=len(names))
     for name, n in zip(names, nnz, strict=True):
         if n == 0:
             what = f"batch {name!r} of obs[{batch_key!r}]" if batch_key else f"the {name}"
             msg = (
-                f"The cells of {what} have no non-zero values in the {X.shape[1]} genes used; "
+                f"The cells of {what} have no non-zero values in the {n_genes} genes used; "
                 "check that the matrix holds expression and that gene names match."
             )
             raise OrcaInputError(msg)

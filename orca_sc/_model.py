@@ -18,10 +18,12 @@ from . import __version__
 from ._align import centroid_shift, identity, standardize
 from ._config import OrcaConfig
 from ._data import (
+    ChunkReader,
     OrcaInputError,
     batch_column,
     check_unique_genes,
     get_matrix,
+    on_disk,
     to_log_normalized,
 )
 from ._errors import check_input_file
@@ -192,8 +194,11 @@ class OrcaModel:
         ``(labels, prediction, info)``.
         """
         check_unique_genes(adata.var_names, "data to predict")
-        X = get_matrix(adata, layer if layer is not None else self.config.layer, "data to predict")
-        X, scale_kind = to_log_normalized(X, self.config.target_sum)
+        layer = layer if layer is not None else self.config.layer
+        streamed = on_disk(adata, layer)
+        if not streamed:
+            X = get_matrix(adata, layer, "data to predict")
+            X, scale_kind = to_log_normalized(X, self.config.target_sum)
         var = adata.var_names.astype(str)
         idx = var.get_indexer(self.genes)
         found = idx >= 0
@@ -214,9 +219,14 @@ class OrcaModel:
         # reorder columns to the model's genes; missing genes become empty columns
         sel = sp.csr_matrix(
             (np.ones(found.sum(), dtype=np.float32), (idx[found], np.flatnonzero(found))),
-            shape=(X.shape[1], len(self.genes)),
+            shape=(adata.n_vars, len(self.genes)),
         )
-        Xg = (X @ sel).tocsr()
+        if streamed:  # read from disk in chunks; only the model's genes are held
+            reader = ChunkReader(adata, layer, "data to predict", self.config.target_sum)
+            Xg = sp.vstack([(m @ sel).tocsr() for _, _, m in reader], format="csr")
+            scale_kind = reader.scale
+        else:
+            Xg = (X @ sel).tocsr()
         if batch_key is None:
             domain = np.zeros(Xg.shape[0], dtype=np.int64)
             n_domains = 1

@@ -13,6 +13,7 @@ import logging
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,13 +76,15 @@ RESIDENT_MAX_FRACTION = 0.4
 
 
 def _csr_tensor(m: sp.csr_matrix) -> torch.Tensor:
-    return torch.sparse_csr_tensor(
-        torch.from_numpy(m.indptr.astype(np.int64)),
-        torch.from_numpy(m.indices.astype(np.int64)),
-        torch.from_numpy(m.data),
-        size=m.shape,
-        check_invariants=False,
-    )
+    with warnings.catch_warnings():  # torch's note that sparse CSR tensors are a beta feature
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(
+            torch.from_numpy(m.indptr.astype(np.int64)),
+            torch.from_numpy(m.indices.astype(np.int64)),
+            torch.from_numpy(m.data),
+            size=m.shape,
+            check_invariants=False,
+        )
 
 
 class CellMatrix:

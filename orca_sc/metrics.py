@@ -135,7 +135,7 @@ def report(
         params = uns.get("params", {})
         lab_col = adata.obs[params["labels_key"]].astype(object)
         unl = lab_col.isna() | lab_col.astype(str).isin(list(params["unlabeled_category"]))
-        mask &= unl.to_numpy()
+        mask = mask & unl.to_numpy()  # a new array: to_numpy() may be read-only (pandas CoW)
     t = _as_str(adata.obs[truth_key][mask])
     p = _as_str(adata.obs[label_col][mask])
     seen_mask = np.isin(t, _as_str(list(seen_classes)))

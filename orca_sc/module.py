@@ -199,8 +199,14 @@ def margin_cross_entropy(
     """
     if target.numel() == 0:
         return logits.sum() * 0.0
-    onehot = F.one_hot(target, logits.shape[1]).to(logits.dtype)  # (n, K)
-    return F.cross_entropy(logits + scale * margin * onehot, target)
+    return F.cross_entropy(logits + scale * margin * _onehot(logits, target), target)
+
+
+def _onehot(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``F.one_hot(target, K)`` in ``logits``' dtype, without its range check (which makes a GPU
+    wait for the host).
+    """
+    return torch.zeros_like(logits).scatter_(1, target[:, None], 1.0)
 
 
 def masked_margin_cross_entropy(
@@ -211,7 +217,7 @@ def masked_margin_cross_entropy(
     GPU wait for the host on every step.
     """
     lab = target >= 0
-    onehot = F.one_hot(target.clamp_min(0), logits.shape[1]).to(logits.dtype)  # (B, K)
+    onehot = _onehot(logits, target.clamp_min(0))  # (B, K)
     total = F.cross_entropy(
         logits + scale * margin * onehot, target, ignore_index=-1, reduction="sum"
     )

@@ -120,8 +120,9 @@ def _findings(s: pd.DataFrame, runs: pd.DataFrame | None = None) -> list[str]:
 
 def _scaling_table(sc: pd.DataFrame) -> str:
     lines = [
-        "| method | cells | time (s) | s/epoch | 20 epochs est. (s) | FLOP floor s/epoch | memory (MB) |",
-        "|---|---|---|---|---|---|---|",
+        "| method | cells | time (s) | s/epoch | cells/s | 20 epochs est. (s) | FLOP floor s/epoch "
+        "| memory (MB) | GPU memory (MB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for _, r in sc.iterrows():
 
@@ -131,8 +132,9 @@ def _scaling_table(sc: pd.DataFrame) -> str:
 
         lines.append(
             f"| {r['method']} | {int(r['n_cells']):,} | {g('seconds', '.1f')} | "
-            f"{g('seconds_per_epoch', '.2f')} | {g('seconds_20_epochs_est', '.0f')} | "
-            f"{g('flop_floor_seconds_per_epoch', '.2f')} | {g('peak_mb', '.0f')} |"
+            f"{g('seconds_per_epoch', '.2f')} | {g('cells_per_second', ',.0f')} | "
+            f"{g('seconds_20_epochs_est', '.0f')} | {g('flop_floor_seconds_per_epoch', '.2f')} | "
+            f"{g('peak_mb', '.0f')} | {g('peak_gpu_mb', '.0f')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
 
-from .._data import get_matrix, to_log_normalized
+from .._data import ChunkReader, get_matrix, on_disk, to_log_normalized
 
 
 def summarize(
@@ -107,13 +108,58 @@ def _markers(
     return marker_genes(lognormalized(adata, labels, layer), groups, n)
 
 
+#: on data read from disk, markers are ranked on at most this many random cells of each label
+#: (every cell of a smaller one)
+MARKER_CELLS_PER_GROUP = 2_000
+
+
+def marker_sample(labels: np.ndarray, per_group: int, seed: int = 0) -> np.ndarray:
+    """Sorted rows: every cell of a label with at most ``per_group`` cells, ``per_group`` random
+    cells of a larger one.
+    """
+    rng = np.random.default_rng(seed)
+    codes, inverse = np.unique(labels.astype(str), return_inverse=True)
+    rows = []
+    for k in range(codes.size):
+        members = np.flatnonzero(inverse == k)
+        if members.size > per_group:
+            members = rng.choice(members, per_group, replace=False)
+        rows.append(members)
+    return np.sort(np.concatenate(rows))
+
+
+class _RowsView:
+    """The rows ``rows`` of an on-disk AnnData's matrix, read in chunks (for :class:`ChunkReader`)."""
+
+    def __init__(self, adata: Any, rows: np.ndarray) -> None:
+        self._adata, self._rows = adata, rows
+        self.n_obs, self.n_vars = rows.size, adata.n_vars
+        self.X = _Rows(adata.X, rows)
+        self.layers = {k: _Rows(v, rows) for k, v in adata.layers.items()} if adata.layers else {}
+
+
+class _Rows:
+    def __init__(self, X: Any, rows: np.ndarray) -> None:
+        self._X, self._rows = X, rows
+
+    def __getitem__(self, sl: slice):
+        return self._X[self._rows[sl]]
+
+
 def lognormalized(adata: Any, labels: pd.Series, layer: str | None, key: str = "label"):
     """A new AnnData with ``adata``'s expression log-normalised (counts are normalised to 10⁴
     first; log-normalised values kept) and ``obs[key] = labels`` — for markers and dot plots.
     """
     import anndata as ad
 
-    X, _ = to_log_normalized(get_matrix(adata, layer, "annotated data"), 1e4)
+    if on_disk(adata, layer):  # a sample read from disk: Wilcoxon ranks on every cell do not scale
+        rows = marker_sample(labels.to_numpy(), MARKER_CELLS_PER_GROUP)
+        X = sp.vstack(
+            [m for _, _, m in ChunkReader(_RowsView(adata, rows), layer, "annotated data", 1e4)]
+        )
+        adata, labels = adata[rows], labels.iloc[rows]
+    else:
+        X, _ = to_log_normalized(get_matrix(adata, layer, "annotated data"), 1e4)
     obs = pd.DataFrame({key: labels.to_numpy()}, index=adata.obs_names.astype(str))
     if not isinstance(obs[key].dtype, pd.CategoricalDtype):
         obs[key] = pd.Categorical(obs[key])

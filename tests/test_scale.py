@@ -1,0 +1,282 @@
+"""Scale (issue 22): input read from disk in chunks, gene selection from streamed statistics,
+and the training step's layouts and shortcuts, which must not change what is computed.
+"""
+
+import hashlib
+import warnings
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from click.testing import CliRunner
+from conftest import FAST, SHARED_DATA
+
+import orca_sc
+import orca_sc._data as data_mod
+from orca_sc._config import OrcaConfig
+from orca_sc._data import ChunkReader, OrcaInputError, log_normalize, prepare, select_genes
+from orca_sc._hvg import GeneStats, select_from_stats
+from orca_sc._train import CellMatrix, infer
+from orca_sc.cli import main
+from orca_sc.module import OrcaNet, margin_cross_entropy, masked_margin_cross_entropy
+
+
+# --------------------------------------------------------------------------- gene selection
+def _stats(X, batches, n_chunks=3):
+    codes = np.unique(batches, return_inverse=True)[1]
+    stats = GeneStats(int(codes.max()) + 1, X.shape[1])
+    for rows in np.array_split(np.arange(X.shape[0]), n_chunks):
+        stats.add(X[rows], codes[rows])
+    return stats
+
+
+@pytest.mark.parametrize("case", ["three batches", "one batch", "a one-cell batch"])
+def test_streamed_gene_selection_matches_scanpy(case):
+    """Statistics summed over chunks rank the same 200 genes as scanpy's seurat flavour on the
+    whole matrix (batch-aware, one batch, and with a batch of one cell that takes no part).
+    """
+    a = orca_sc.datasets.simulate(1500, 600, 6, n_batches=3, library_size=400, seed=3)
+    X = log_normalize(a.X.tocsr(), 1e4)
+    batches = a.obs["batch"].astype(str).to_numpy()
+    if case == "one batch":
+        batches = np.full(X.shape[0], "b")
+    elif case == "a one-cell batch":
+        batches = batches.copy()
+        batches[7] = "lonely"
+    genes = list(a.var_names)
+    expected = select_genes(X, genes, batches, 200)
+    got = select_from_stats(_stats(X, batches), 200)
+    assert got.size == expected.size == 200
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "baron_mouse.h5ad").exists(), reason="shared data absent")
+def test_streamed_gene_selection_matches_scanpy_on_real_counts():
+    import anndata as ad
+
+    a = ad.read_h5ad(SHARED_DATA / "baron_mouse.h5ad")
+    X = log_normalize(a.X.tocsr(), 1e4)
+    batches = a.obs["batch"].astype(str).to_numpy()
+    expected = select_genes(X, list(a.var_names), batches, 2000)
+    np.testing.assert_array_equal(select_from_stats(_stats(X, batches, 4), 2000), expected)
+
+
+# --------------------------------------------------------------------------- reading from disk
+@pytest.fixture
+def on_disk(tmp_path, monkeypatch):
+    """A reference (4 of 6 types, batch 0) and a query (batch 1) as .h5ad, the query also as
+    .zarr; chunks of 150 cells, so every input is read in several pieces.
+    """
+    monkeypatch.setattr(data_mod, "CHUNK_CELLS", 150)
+    a = orca_sc.datasets.simulate(1200, 400, 6, n_batches=2, library_size=400, seed=1)
+    ref = a[(a.obs["batch"] == "batch_0").to_numpy()].copy()
+    ref = ref[ref.obs["cell_type"].isin([f"type_{i}" for i in range(4)]).to_numpy()].copy()
+    ref.obs.loc[ref.obs_names[:20], "cell_type"] = np.nan  # unlabelled reference cells: dropped
+    query = a[(a.obs["batch"] == "batch_1").to_numpy()].copy()
+    paths = {
+        "ref": tmp_path / "ref.h5ad",
+        "query": tmp_path / "q.h5ad",
+        "zarr": tmp_path / "q.zarr",
+    }
+    ref.write_h5ad(paths["ref"])
+    query.write_h5ad(paths["query"])
+    with warnings.catch_warnings():  # anndata's notice about the zarr format version
+        warnings.simplefilter("ignore", UserWarning)
+        query.write_zarr(paths["zarr"])
+    return ref, query, paths
+
+
+def _md5(path):
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("fmt", ["query", "zarr"])
+def test_prepare_from_disk_equals_in_memory(on_disk, fmt):
+    ref, query, paths = on_disk
+    cfg = OrcaConfig(n_genes=150)
+    mem = prepare(query, ref, "cell_type", cfg)
+    lazy_q = orca_sc.read_lazy(paths[fmt])
+    assert data_mod.on_disk(lazy_q)
+    disk = prepare(lazy_q, orca_sc.read_lazy(paths["ref"]), "cell_type", cfg)
+    assert disk.info["streamed"] and not mem.info["streamed"]
+    assert disk.genes == mem.genes and len(disk.genes) == 150
+    assert (disk.X != mem.X).nnz == 0 and disk.X.shape == mem.X.shape
+    np.testing.assert_array_equal(disk.labels, mem.labels)
+    np.testing.assert_array_equal(disk.domain, mem.domain)
+    assert disk.input_scale == mem.input_scale == {"reference": "counts", "query": "counts"}
+
+
+def test_annotate_and_predict_from_disk_give_the_in_memory_labels(on_disk, tmp_path):
+    """Same seed: the same labels whether the query is in memory, a backed .h5ad or a zarr
+    store; the files are not modified; a saved model labels the on-disk query as it labels the
+    in-memory one, and the summary's markers come from a sample read from disk.
+    """
+    ref, query, paths = on_disk
+    before = _md5(paths["query"])
+    kw = {**FAST, "n_genes": 150}
+    q_mem = query.copy()
+    model = orca_sc.OrcaModel.fit(q_mem, ref, labels_key="cell_type", **kw)
+    orca_sc.tl.annotate(q_mem, ref, labels_key="cell_type", **kw)
+    expected = q_mem.obs["orca_label"].astype(str).to_numpy()
+    assert len(set(expected) - set(ref.obs["cell_type"].dropna())) >= 1  # a novel cluster
+    for fmt in ("query", "zarr"):
+        q = orca_sc.read_lazy(paths[fmt])
+        orca_sc.tl.annotate(q, ref, labels_key="cell_type", **kw)
+        np.testing.assert_array_equal(q.obs["orca_label"].astype(str).to_numpy(), expected)
+        assert q.uns["orca"]["data"]["streamed"]
+    summary = orca_sc.tl.summarize(q)
+    assert summary["novel"] and all(len(c["markers"]) == 5 for c in summary["novel"])
+    assert _md5(paths["query"]) == before
+    labels_mem, _, _ = model.predict(query)
+    labels_disk, _, info = model.predict(orca_sc.read_lazy(paths["zarr"]))
+    np.testing.assert_array_equal(labels_disk, labels_mem)
+    assert info["input_scale"] == "counts"
+
+
+def test_cli_on_disk_matches_in_memory(on_disk, tmp_path):
+    _, _, paths = on_disk
+    outs = {}
+    for flag, name in (([], "mem.h5ad"), (["--on-disk"], "disk.h5ad")):
+        args = ["annotate", paths["ref"], paths["query"], "--labels-key", "cell_type",
+                "--epochs", "5", "--min-steps", "150", "--n-genes", "150", "-q",
+                "-o", tmp_path / name, *flag]  # fmt: skip
+        r = CliRunner().invoke(main, [str(x) for x in args])
+        assert r.exit_code == 0, (r.output, r.exception)
+        outs[name] = orca_sc.read_lazy(tmp_path / name).obs["orca_label"].astype(str).to_numpy()
+    np.testing.assert_array_equal(outs["disk.h5ad"], outs["mem.h5ad"])
+    bad = tmp_path / "notzarr"
+    bad.mkdir()
+    r = CliRunner().invoke(main, ["predict", str(tmp_path / "x.pt"), str(bad), "--on-disk"])
+    assert r.exit_code != 0
+
+
+def test_chunks_of_counts_then_non_integers_are_refused(tmp_path, monkeypatch):
+    import anndata as ad
+
+    monkeypatch.setattr(data_mod, "CHUNK_CELLS", 50)
+    X = sp.random(120, 30, density=0.3, format="csr", dtype=np.float32, random_state=0)
+    X.data = np.ceil(X.data * 5)
+    X.data[X.indptr[100] :] += 0.5  # cells 100-119 are not counts
+    ad.AnnData(X=X).write_h5ad(tmp_path / "mixed.h5ad")
+    reader = ChunkReader(orca_sc.read_lazy(tmp_path / "mixed.h5ad"), None, "query", 1e4)
+    with pytest.raises(OrcaInputError, match="non-integer values in cells 100-119"):
+        list(reader)
+
+
+def test_read_lazy_refuses_what_it_cannot_read(tmp_path):
+    with pytest.raises(OrcaInputError, match="does not exist"):
+        orca_sc.read_lazy(tmp_path / "missing.h5ad")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(OrcaInputError, match="not a zarr store"):
+        orca_sc.read_lazy(tmp_path / "plain")
+    (tmp_path / "junk.h5ad").write_text("not hdf5")
+    with pytest.raises(OrcaInputError, match="as h5ad"):
+        orca_sc.read_lazy(tmp_path / "junk.h5ad")
+
+
+# --------------------------------------------------------------------------- training step
+def _cells(layout, seed=0):
+    a = orca_sc.datasets.simulate(400, 300, 4, n_batches=2, library_size=150, seed=seed)
+    X = log_normalize(a.X.tocsr(), 1e4)
+    dom = (a.obs["batch"] == "batch_1").to_numpy().astype(np.int64)
+    rng = np.random.default_rng(seed)
+    scale = rng.uniform(0.5, 2.0, (2, 300)).astype(np.float32)
+    offset = rng.normal(0, 0.3, (2, 300)).astype(np.float32)
+    return CellMatrix(X, dom, scale, offset, torch.device("cpu"), layout=layout)
+
+
+def test_sparse_and_dense_batches_give_the_same_layer_and_gradient():
+    """The sparse first layer (with the per-batch scale and offset) equals the dense product of
+    the aligned rows, in value and in the weight's gradient; inference agrees too.
+    """
+    sparse, dense = _cells("sparse"), _cells("dense")
+    assert sparse.layout == "sparse" and dense.layout == "dense"
+    idx = np.random.default_rng(1).permutation(400)[:64]
+    torch.manual_seed(0)
+    net = OrcaNet(300, 5, (64, 16), 0.0)
+    grads = []
+    for cells in (sparse, dense):
+        net.zero_grad()
+        h = net.backbone._trunk(cells.batch(idx))
+        h.pow(2).sum().backward()
+        grads.append((h.detach().clone(), net.backbone.net[0].weight.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-3)
+    p1, e1 = infer(net, sparse)
+    p2, e2 = infer(net, dense)
+    np.testing.assert_allclose(p1, p2, atol=1e-5)
+    np.testing.assert_allclose(e1, e2, atol=1e-5)
+
+
+def test_auto_layout_follows_the_share_of_non_zeros():
+    a = orca_sc.datasets.simulate(300, 200, 3, library_size=3000, seed=0)
+    X = log_normalize(a.X.tocsr(), 1e4)
+    one, zero = np.ones((1, 200)), np.zeros((1, 200))
+    dom = np.zeros(300, dtype=np.int64)
+    assert X.nnz / np.prod(X.shape) > 0.2
+    assert CellMatrix(X, dom, one, zero, torch.device("cpu")).layout == "dense"
+    b = orca_sc.datasets.simulate(300, 200, 3, library_size=40, seed=0)
+    thin = log_normalize(b.X.tocsr(), 1e4)
+    assert thin.nnz / np.prod(thin.shape) < 0.2
+    assert CellMatrix(thin, dom, one, zero, torch.device("cpu")).layout == "sparse"
+
+
+def test_two_views_share_the_trunk_but_not_the_dropout():
+    """``forward_views`` gives what two calls of ``forward`` give with the same random stream
+    (the same dropout masks, drawn in the same order), and leaves the same BatchNorm running
+    statistics.
+    """
+    x = torch.randn(32, 50)
+    torch.manual_seed(0)
+    a = OrcaNet(50, 6, (40, 12), 0.5)
+    b = OrcaNet(50, 6, (40, 12), 0.5)
+    b.load_state_dict(a.state_dict())
+    a.train()
+    b.train()
+    torch.manual_seed(1)
+    (l1, z1), (l2, z2) = a.forward_views(x)
+    torch.manual_seed(1)
+    m1, y1 = b(x)
+    m2, y2 = b(x)
+    for u, v in ((l1, m1), (z1, y1), (l2, m2), (z2, y2)):
+        torch.testing.assert_close(u, v)
+    assert not torch.equal(z1, z2)  # two dropout masks
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(v, b.state_dict()[k], msg=k)
+
+
+def test_masked_cross_entropy_is_the_cross_entropy_of_the_labelled_rows():
+    logits = torch.randn(10, 4)
+    target = torch.tensor([0, -1, 2, 3, -1, 1, 1, -1, 0, 2])
+    keep = target >= 0
+    torch.testing.assert_close(
+        masked_margin_cross_entropy(logits, target, 0.3),
+        margin_cross_entropy(logits[keep], target[keep], 0.3),
+    )
+    assert float(masked_margin_cross_entropy(logits, torch.full((10,), -1), 0.3)) == 0.0
+
+
+def test_marker_sample_caps_each_label():
+    from orca_sc.tl._summary import marker_sample
+
+    labels = np.array(["a"] * 50 + ["b"] * 5 + ["c"] * 30)
+    rows = marker_sample(labels, 10)
+    assert np.all(np.diff(rows) > 0)
+    counts = {k: int((labels[rows] == k).sum()) for k in "abc"}
+    assert counts == {"a": 10, "b": 5, "c": 10}
+
+
+def test_first_layer_weight_is_column_major_and_saves_as_before(tmp_path):
+    """The first weight is stored transposed in memory (for the sparse product) but its values,
+    shape and state_dict are those of a plain ``nn.Linear``.
+    """
+    net = OrcaNet(30, 3, (8, 4), 0.1)
+    w = net.backbone.net[0].weight
+    assert w.shape == (8, 30) and w.stride() == (1, 8)
+    torch.save(net.state_dict(), tmp_path / "n.pt")
+    other = OrcaNet(30, 3, (8, 4), 0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other.load_state_dict(torch.load(tmp_path / "n.pt", weights_only=True))
+    torch.testing.assert_close(other.backbone.net[0].weight, w)
