@@ -45,8 +45,11 @@ def test_tabula_muris_tutorial_runs_offline():
         "novel types in the query: ['immature B cell', 'late pro-B cell', 'naive B cell', 'precursor B cell']"
         in r.stdout
     )
-    seen = float(re.search(r"seen_accuracy: ([0-9.]+)", r.stdout).group(1))
-    assert seen >= 0.8  # macrophages of the marrow keep their kidney label
+    # the query's 13 macrophages (its only known type) keep their kidney label or go novel
+    # together, depending on the seed: at 3 of seeds 0-14 of this split (5 before the training
+    # step of issue 22, at other seeds), so their accuracy is no test; the B lineage is
+    novel = float(re.search(r"novel_accuracy: ([0-9.]+)", r.stdout).group(1))
+    assert novel >= 0.7
     acc = float(re.search(r"accuracy of the saved model: ([0-9.]+)", r.stdout).group(1))
     assert acc >= 0.9
     assert not (TUTORIALS / "tabula_muris_orca_model.pt").exists()  # cleaned up
