@@ -11,7 +11,6 @@ two devices differ as two seeds do). Writes ``reports/device_agreement.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from _figures import report_figures
 
 import orca_sc
 from orca_sc.benchmark import simulated_open_world
@@ -59,10 +59,7 @@ def main() -> None:
         labels[device] = a.obs["orca_label"].astype(str).to_numpy()
     out["same_label_cpu_cuda"] = agreement(labels["cpu"], labels["cuda"])
     out["same_label_cpu_seed0_seed1"] = agreement(labels["cpu"], labels["cpu_seed1"])
-    for k, v in out.items():
-        print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    report_figures(out, args.out)
 
 
 if __name__ == "__main__":

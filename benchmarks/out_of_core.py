@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import resource
 import time
 import warnings
 from pathlib import Path
 
 import torch
+from _figures import report_figures
 
 import orca_sc
 from orca_sc.benchmark import simulated_open_world
@@ -71,10 +71,7 @@ def main() -> None:
     rep = orca_sc.metrics.report(adata, "cell_type") if truth is not None else {}
     out["seen_accuracy"] = rep.get("seen_accuracy")
     out["novel_accuracy"] = rep.get("novel_accuracy")
-    for k, v in out.items():
-        print(f"{k:>28}: {v:.4g}" if isinstance(v, float) else f"{k:>28}: {v}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    report_figures(out, args.out)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ selected CSR matrix + 1 GiB) and, on a GPU, the peak GPU memory; writes ``report
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import time
 import warnings
 from pathlib import Path
 
 import torch
+from _figures import report_figures
 
 import orca_sc
 from orca_sc.benchmark import epoch_speed, simulated_open_world
@@ -83,10 +83,7 @@ def main() -> None:
         "seen_accuracy": rep["seen_accuracy"],
         "novel_accuracy": rep["novel_accuracy"],
     }
-    for k_, v in out.items():
-        print(f"{k_:>40}: {v:.4g}" if isinstance(v, float) else f"{k_:>40}: {v}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    report_figures(out, args.out)
 
 
 if __name__ == "__main__":

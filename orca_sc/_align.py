@@ -40,6 +40,14 @@ def standardize(X: sp.csr_matrix, domain: np.ndarray, n_domains: int):
     return scale, offset
 
 
+def aligned_rows(
+    X: sp.csr_matrix, domain: np.ndarray, scale: np.ndarray, offset: np.ndarray, rows
+) -> np.ndarray:
+    """The rows ``rows`` of ``X`` dense and aligned: ``x * scale[d] + offset[d]``."""
+    d = domain[rows]
+    return X[rows].toarray() * scale[d] + offset[d]
+
+
 def group_domain_means(
     X: sp.csr_matrix, groups: np.ndarray, n_groups: int, domain: np.ndarray, n_domains: int
 ) -> tuple[np.ndarray, np.ndarray]:

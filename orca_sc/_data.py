@@ -120,10 +120,10 @@ def on_disk(adata: Any, layer: str | None = None) -> bool:
 
 
 class ChunkReader:
-    """The expression matrix of ``adata`` read ``CHUNK_CELLS`` cells at a time, each chunk
-    checked like :func:`get_matrix` and log-normalised (counts) or kept (already
-    log-normalised). The value scale is told from the first chunk; a later chunk of counts with
-    non-integer values is an error. Never holds more than one chunk.
+    """The expression matrix of ``adata`` (or its rows ``rows``, sorted) read ``CHUNK_CELLS``
+    cells at a time, each chunk checked like :func:`get_matrix` and log-normalised (counts) or
+    kept (already log-normalised). The value scale is told from the first chunk; a later chunk
+    of counts with non-integer values is an error. Never holds more than one chunk.
     """
 
     def __init__(
@@ -133,23 +133,28 @@ class ChunkReader:
         what: str,
         target_sum: float,
         chunk: int | None = None,
+        rows: np.ndarray | None = None,
     ) -> None:
         self.X, self.source = _source_matrix(adata, layer, what)
         self.what = what
-        self.n_obs = adata.n_obs
+        self.rows = rows
+        self.n_obs = adata.n_obs if rows is None else rows.size
         self.target_sum = target_sum
         self.chunk = chunk or CHUNK_CELLS
         self.scale: str | None = None
         self.n_empty = 0
 
     def __iter__(self):
-        """``(start, stop, chunk)`` with the chunk a log-normalised CSR float32 matrix."""
+        """``(start, stop, chunk)`` with the chunk a log-normalised CSR float32 matrix
+        (``start:stop``: positions in ``rows`` when given).
+        """
         where = f"{self.what} {self.source}"
         nnz = 0
         self.n_empty = 0
         for start in range(0, self.n_obs, self.chunk):
             stop = min(self.n_obs, start + self.chunk)
-            m = _checked_csr(self.X[start:stop], where)
+            sel = slice(start, stop) if self.rows is None else self.rows[start:stop]
+            m = _checked_csr(self.X[sel], where)
             nnz += m.nnz
             if self.scale is None:
                 self.scale = detect_scale(m) if m.nnz else None
@@ -528,7 +533,7 @@ def _read_streamed(parts, domain: np.ndarray, domain_names: np.ndarray, config: 
     for adata, what, keep, cols in parts:
         reader = ChunkReader(adata, config.layer, what, config.target_sum)
         for start, stop, m in reader:
-            rows = np.arange(start, stop) if keep is None else keep[(keep >= start) & (keep < stop)]
+            rows = _kept_rows(keep, start, stop)
             d = domain[offset : offset + rows.size]
             stats.add(m[rows - start][:, cols], d)
             offset += rows.size
@@ -542,14 +547,20 @@ def _read_streamed(parts, domain: np.ndarray, domain_names: np.ndarray, config: 
     blocks = []
     for reader, (_, _, keep, cols) in zip(readers, parts, strict=True):
         for start, stop, m in reader:
-            rows = np.arange(start, stop) if keep is None else keep[(keep >= start) & (keep < stop)]
-            blocks.append(m[rows - start][:, cols[hv]])
+            blocks.append(m[_kept_rows(keep, start, stop) - start][:, cols[hv]])
     X = sp.vstack(blocks, format="csr", dtype=np.float32)
     return (
         X,
         hv,
         {what: reader.scale for reader, (_, what, _, _) in zip(readers, parts, strict=True)},
     )
+
+
+def _kept_rows(keep: np.ndarray | None, start: int, stop: int) -> np.ndarray:
+    """The rows of ``start:stop`` that ``keep`` (sorted; ``None``: all) keeps."""
+    if keep is None:
+        return np.arange(start, stop)
+    return keep[np.searchsorted(keep, start) : np.searchsorted(keep, stop)]
 
 
 def _check_expressed(

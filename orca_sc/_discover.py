@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from ._align import group_domain_means
+from ._align import aligned_rows, group_domain_means
 from ._config import DiscoveryConfig
 
 _DEFAULTS = DiscoveryConfig()
@@ -70,17 +70,12 @@ def pca_embedding(
     fit_rows = rows if rows.size <= _CHUNK else rng.choice(rows, _CHUNK, replace=False)
     n_comps = int(min(n_comps, fit_rows.size - 1, X.shape[1] - 1))
     pca = PCA(n_components=n_comps, random_state=seed)
-    pca.fit(_dense(X, domain, scale, offset, fit_rows))
+    pca.fit(aligned_rows(X, domain, scale, offset, fit_rows))
     out = np.empty((rows.size, n_comps), dtype=np.float32)
     for start in range(0, rows.size, _CHUNK):
         r = rows[start : start + _CHUNK]
-        out[start : start + r.size] = pca.transform(_dense(X, domain, scale, offset, r))
+        out[start : start + r.size] = pca.transform(aligned_rows(X, domain, scale, offset, r))
     return out
-
-
-def _dense(X, domain, scale, offset, rows) -> np.ndarray:
-    d = domain[rows]
-    return X[rows].toarray() * scale[d] + offset[d]
 
 
 def knn_graph(emb: np.ndarray, n_neighbors: int = _DEFAULTS.n_neighbors) -> sp.csr_matrix:

@@ -21,6 +21,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
+from ._align import aligned_rows
 from ._config import OrcaConfig
 from ._errors import ConfigError
 from .module import (
@@ -73,6 +74,8 @@ SPARSE_MAX_DENSITY = 0.2
 #: on a GPU the whole aligned matrix is kept dense on the device when it takes at most this
 #: share of the device's memory (the training step is then one gather, no host work)
 RESIDENT_MAX_FRACTION = 0.4
+#: the layouts of :class:`CellMatrix` per device type (others: ``"device-csr"``)
+_LAYOUTS = {"cpu": ("sparse", "dense"), "cuda": ("resident", "device-csr")}
 
 
 def _csr_tensor(m: sp.csr_matrix) -> torch.Tensor:
@@ -125,7 +128,6 @@ class CellMatrix:
         self.offset_np = np.asarray(offset, dtype=np.float32)
         self.has_scale = not bool(np.all(self.scale_np == 1))
         self.has_offset = bool(np.any(self.offset_np != 0))
-        self.counts = np.diff(X.indptr)
         self.domain = torch.as_tensor(self.domain_np, device=device)
         self.scale = torch.as_tensor(self.scale_np, device=device)
         self.offset = torch.as_tensor(self.offset_np, device=device)
@@ -133,24 +135,23 @@ class CellMatrix:
         if self.layout == "resident":
             self._build_resident()
         elif self.layout == "device-csr":
+            self.counts = np.diff(X.indptr)
             self.indptr = torch.as_tensor(X.indptr.astype(np.int64), device=device)
             self.indices = torch.as_tensor(X.indices.astype(np.int64), device=device)
             self.data = torch.as_tensor(X.data, device=device)
 
     def _layout(self, layout: str) -> str:
-        cuda = self.device.type == "cuda"
+        kind = self.device.type
         if layout != "auto":
-            allowed = ("resident", "device-csr") if cuda else ("sparse", "dense")
-            if self.device.type not in ("cuda", "cpu"):
-                allowed = ("device-csr",)
+            allowed = _LAYOUTS.get(kind, ("device-csr",))
             if layout not in allowed:
-                raise ConfigError("layout", layout, f"one of {allowed} on {self.device.type}")
+                raise ConfigError("layout", layout, f"one of {allowed} on {kind}")
             return layout
-        if self.device.type == "cpu":
+        if kind == "cpu":
             n, g = self.shape
             density = self.X.nnz / max(1, n * g)
             return "sparse" if density <= SPARSE_MAX_DENSITY else "dense"
-        if cuda:
+        if kind == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             need = self.shape[0] * self.shape[1] * 4
             return "resident" if need <= RESIDENT_MAX_FRACTION * total else "device-csr"
@@ -162,13 +163,14 @@ class CellMatrix:
         step = max(1, (1 << 26) // max(g, 1))  # 256 MiB of float32 per chunk
         for start in range(0, n, step):
             stop = min(n, start + step)
-            block = torch.as_tensor(self.X[start:stop].toarray(), device=self.device)
-            d = self.domain[start:stop]
-            if self.has_scale:
-                block = block * self.scale[d]
-            if self.has_offset:
-                block = block + self.offset[d]
-            self.dense[start:stop] = block
+            rows = np.arange(start, stop)
+            self.dense[start:stop] = torch.as_tensor(self._aligned(rows), device=self.device)
+
+    def _aligned(self, rows: np.ndarray) -> np.ndarray:
+        """The rows ``rows`` dense and aligned, on the host."""
+        if self.has_scale or self.has_offset:
+            return aligned_rows(self.X, self.domain_np, self.scale_np, self.offset_np, rows)
+        return self.X[rows].toarray()
 
     def to_device(self, idx: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(idx, device=self.device)
@@ -181,11 +183,7 @@ class CellMatrix:
         if self.layout == "sparse":
             return self._sparse_rows(idx)
         if self.layout == "dense":
-            block = self.X[idx].toarray()
-            if self.has_scale or self.has_offset:
-                d = self.domain_np[idx]
-                block = block * self.scale_np[d] + self.offset_np[d]
-            return torch.from_numpy(block)
+            return torch.from_numpy(self._aligned(idx))
         if idx_t is None:
             idx_t = self.to_device(idx)
         if self.layout == "resident":
@@ -212,10 +210,11 @@ class CellMatrix:
         d = self.domain_np[idx]
         if self.has_scale:
             m.data = m.data * self.scale_np[np.repeat(d, np.diff(m.indptr)), m.indices]
+        member = np.eye(self.offset_np.shape[0], dtype=np.float32)[d]
         return SparseRows(
             _csr_tensor(m),
             _csr_tensor(m.T.tocsr()),
-            torch.from_numpy(d),
+            torch.from_numpy(member),
             self.offset if self.has_offset else None,
         )
 
@@ -510,15 +509,10 @@ def infer(
     net.eval()
     rows = np.arange(data.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
     probs = np.empty((rows.size, net.n_heads), dtype=np.float32)
-    embs = None
+    embs = np.empty((rows.size, net.head.weight.shape[1]), dtype=np.float32)
     for lo in range(0, rows.size, _INFER_CHUNK):
         chunk = rows[lo : lo + _INFER_CHUNK]
         logits, z = net(data.batch(chunk))
-        z = F.normalize(z, dim=1).cpu().numpy()
-        if embs is None:
-            embs = np.empty((rows.size, z.shape[1]), dtype=np.float32)
         probs[lo : lo + chunk.size] = F.softmax(logits, dim=1).cpu().numpy()
-        embs[lo : lo + chunk.size] = z
-    if embs is None:
-        embs = np.empty((0, net.backbone.net[4].out_features), dtype=np.float32)
+        embs[lo : lo + chunk.size] = F.normalize(z, dim=1).cpu().numpy()
     return probs, embs

@@ -22,13 +22,14 @@ _EPS = 1e-7
 @dataclass(frozen=True)
 class SparseRows:
     """A mini-batch for the first layer as sparse matrices: ``x`` ``(B, G)`` CSR with the
-    per-batch scale applied, its transpose ``xt`` ``(G, B)`` for the weight gradient, and the
-    per-batch offsets (``offset[domain]`` is added to every row; ``None``: no offset).
+    per-batch scale applied, its transpose ``xt`` ``(G, B)`` for the weight gradient, each
+    cell's batch one-hot ``member`` ``(B, n_batches)`` and the per-batch offsets ``offset``
+    ``(n_batches, G)`` added to every row (``None``: no offset).
     """
 
     x: torch.Tensor
     xt: torch.Tensor
-    domain: torch.Tensor
+    member: torch.Tensor
     offset: torch.Tensor | None
 
 
@@ -56,7 +57,9 @@ def first_linear(linear: torch.nn.Linear, x: torch.Tensor | SparseRows) -> torch
         return linear(x)
     out = _SparseMatmul.apply(x.x, x.xt, linear.weight)
     if x.offset is not None:
-        out = out + (x.offset @ linear.weight.t())[x.domain]
+        # a product with the one-hot batches, not an index: the index's backward scatter-adds
+        # in an order that varies between runs with 2 CPU threads (same seed, other weights)
+        out = out + x.member @ (x.offset @ linear.weight.t())
     return out + linear.bias
 
 
@@ -99,10 +102,18 @@ class MLPBackbone(nn.Module):
     def forward(self, x: torch.Tensor | SparseRows) -> torch.Tensor:  # (B, G) -> (B, D)
         return self._block2(self._trunk(x))
 
-    def _trunk(self, x: torch.Tensor | SparseRows) -> torch.Tensor:
-        """Linear -> BatchNorm -> ReLU: everything before the first dropout."""
+    def _trunk(self, x: torch.Tensor | SparseRows, passes: int = 1) -> torch.Tensor:
+        """Linear -> BatchNorm -> ReLU: everything before the first dropout. In training, the
+        BatchNorm's running statistics move as for ``passes`` passes of the batch.
+        """
+        bn = self.net[1]
         h = first_linear(self.net[0], x)
-        return self.net[2](self.net[1](h))
+        a = self.net[2](bn(h))
+        if bn.training and bn.track_running_stats:
+            with torch.no_grad():  # the other passes' updates of the running statistics
+                for _ in range(passes - 1):
+                    bn(h.detach())
+        return a
 
     def _block2(self, h: torch.Tensor) -> torch.Tensor:
         """Dropout -> Linear -> BatchNorm -> ReLU -> Dropout."""
@@ -117,12 +128,7 @@ class MLPBackbone(nn.Module):
         :meth:`forward`, and the first BatchNorm's running statistics move as they would for
         two passes. Returns the two ``(B, D)`` embeddings.
         """
-        bn = self.net[1]
-        h = first_linear(self.net[0], x)
-        a = self.net[2](bn(h))
-        if bn.training and bn.track_running_stats:
-            with torch.no_grad():  # the second pass's update of the running statistics
-                bn(h.detach())
+        a = self._trunk(x, passes=2)
         return self._block2(a), self._block2(a)
 
 

@@ -280,3 +280,25 @@ def test_first_layer_weight_is_column_major_and_saves_as_before(tmp_path):
         warnings.simplefilter("ignore")
         other.load_state_dict(torch.load(tmp_path / "n.pt", weights_only=True))
     torch.testing.assert_close(other.backbone.net[0].weight, w)
+
+
+def test_same_seed_same_result_with_two_threads():
+    """Same seed, same device: bit-identical embeddings on cross-batch sparse data with 2 CPU
+    threads (the batch offsets' gradient was once scatter-added in a varying order).
+    """
+    a = orca_sc.datasets.simulate(900, 1000, 5, n_batches=2, library_size=100, seed=2)
+    ref = a[(a.obs["batch"] == "batch_0").to_numpy()].copy()
+    ref = ref[ref.obs["cell_type"].isin(["type_0", "type_1", "type_2"]).to_numpy()].copy()
+    query = a[(a.obs["batch"] == "batch_1").to_numpy()].copy()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for _ in range(2):
+            q = query.copy()
+            orca_sc.tl.annotate(q, ref, labels_key="cell_type", **FAST)
+            assert q.uns["orca"]["training"]["layout"] == "sparse"
+            runs.append(q.obsm["X_orca"].copy())
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(runs[0], runs[1])

@@ -128,24 +128,6 @@ def marker_sample(labels: np.ndarray, per_group: int, seed: int = 0) -> np.ndarr
     return np.sort(np.concatenate(rows))
 
 
-class _RowsView:
-    """The rows ``rows`` of an on-disk AnnData's matrix, read in chunks (for :class:`ChunkReader`)."""
-
-    def __init__(self, adata: Any, rows: np.ndarray) -> None:
-        self._adata, self._rows = adata, rows
-        self.n_obs, self.n_vars = rows.size, adata.n_vars
-        self.X = _Rows(adata.X, rows)
-        self.layers = {k: _Rows(v, rows) for k, v in adata.layers.items()} if adata.layers else {}
-
-
-class _Rows:
-    def __init__(self, X: Any, rows: np.ndarray) -> None:
-        self._X, self._rows = X, rows
-
-    def __getitem__(self, sl: slice):
-        return self._X[self._rows[sl]]
-
-
 def lognormalized(adata: Any, labels: pd.Series, layer: str | None, key: str = "label"):
     """A new AnnData with ``adata``'s expression log-normalised (counts are normalised to 10⁴
     first; log-normalised values kept) and ``obs[key] = labels`` — for markers and dot plots.
@@ -154,9 +136,8 @@ def lognormalized(adata: Any, labels: pd.Series, layer: str | None, key: str = "
 
     if on_disk(adata, layer):  # a sample read from disk: Wilcoxon ranks on every cell do not scale
         rows = marker_sample(labels.to_numpy(), MARKER_CELLS_PER_GROUP)
-        X = sp.vstack(
-            [m for _, _, m in ChunkReader(_RowsView(adata, rows), layer, "annotated data", 1e4)]
-        )
+        reader = ChunkReader(adata, layer, "annotated data", 1e4, rows=rows)
+        X = sp.vstack([m for _, _, m in reader])
         adata, labels = adata[rows], labels.iloc[rows]
     else:
         X, _ = to_log_normalized(get_matrix(adata, layer, "annotated data"), 1e4)
