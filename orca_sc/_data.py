@@ -134,10 +134,13 @@ class ChunkReader:
         target_sum: float,
         chunk: int | None = None,
         rows: np.ndarray | None = None,
+        require_values: bool = True,
     ) -> None:
         self.X, self.source = _source_matrix(adata, layer, what)
         self.what = what
         self.rows = rows
+        self.require_values = require_values  # an all-zero matrix is an error
+        self.nnz = 0
         self.n_obs = adata.n_obs if rows is None else rows.size
         self.target_sum = target_sum
         self.chunk = chunk or CHUNK_CELLS
@@ -153,7 +156,7 @@ class ChunkReader:
         self.n_empty = 0
         for start in range(0, self.n_obs, self.chunk):
             stop = min(self.n_obs, start + self.chunk)
-            sel = slice(start, stop) if self.rows is None else self.rows[start:stop]
+            sel = slice(start, stop) if self.rows is None else _as_slice(self.rows[start:stop])
             m = _checked_csr(self.X[sel], where)
             nnz += m.nnz
             if self.scale is None:
@@ -169,7 +172,8 @@ class ChunkReader:
                 self.n_empty += int((np.diff(m.indptr) == 0).sum())
                 m = log_normalize(m, self.target_sum, warn=False)
             yield start, stop, m
-        if nnz == 0:
+        self.nnz = nnz
+        if nnz == 0 and self.require_values:
             msg = (
                 f"The {where} holds only zeros; pass the layer with its counts or "
                 "log-normalised expression (layer=...)."
@@ -177,6 +181,13 @@ class ChunkReader:
             raise OrcaInputError(msg)
         if self.scale is None:
             self.scale = "counts"
+
+
+def _as_slice(rows: np.ndarray) -> slice | np.ndarray:
+    """Consecutive row numbers as a slice (a backed matrix reads a slice in one go)."""
+    if rows.size and rows[-1] - rows[0] + 1 == rows.size and np.all(np.diff(rows) == 1):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows
 
 
 def _check_values(data: np.ndarray, where: str) -> None:
@@ -404,11 +415,16 @@ def prepare(
     reference: Any | None,
     labels_key: str,
     config: OrcaConfig,
+    comm: Any = None,
 ) -> PreparedData:
     """Turn (query, reference) AnnData into :class:`PreparedData`.
 
     Without ``reference`` the labelled cells of ``adata`` (``obs[labels_key]`` not NaN and not one
     of ``config.unlabeled_category``) are the reference and the other cells the query.
+
+    ``comm`` (:class:`orca_sc._dist.Comm`, several processes): input on disk is read by each
+    rank for its share of the cells, the gene statistics are summed over the ranks, and every
+    rank ends with the whole selected matrix. Input in memory is prepared by every rank alike.
     """
     what_q = "query" if reference is not None else "AnnData"
     # everything that can be checked without the matrices first: no work (and no warning about
@@ -477,7 +493,7 @@ def prepare(
         parts = [(adata, what_q, None, adata.var_names.get_indexer(genes))]
         if reference is not None:
             parts.insert(0, (reference, "reference", keep, reference.var_names.get_indexer(genes)))
-        X, hv, input_scale = _read_streamed(parts, domain, domain_names, config)
+        X, hv, input_scale = _read_streamed(parts, domain, domain_names, config, comm)
     else:
         Xq = get_matrix(adata, config.layer, what_q)
         Xq, scale_q = to_log_normalized(Xq, config.target_sum)
@@ -516,7 +532,9 @@ def prepare(
     )
 
 
-def _read_streamed(parts, domain: np.ndarray, domain_names: np.ndarray, config: OrcaConfig):
+def _read_streamed(
+    parts, domain: np.ndarray, domain_names: np.ndarray, config: OrcaConfig, comm: Any = None
+):
     """The streamed counterpart of reading, normalising, joining and selecting genes in
     :func:`prepare`, for inputs on disk. ``parts``: ``(adata, what, rows kept or None, column of
     each shared gene)`` in row order. Two passes over each input: the first accumulates the
@@ -524,36 +542,90 @@ def _read_streamed(parts, domain: np.ndarray, domain_names: np.ndarray, config: 
     (:class:`orca_sc._hvg.GeneStats`, same genes as scanpy on the whole matrix), the second
     keeps the selected genes. Peak memory: the selected matrix twice (its chunks, then joined)
     plus one chunk of all genes. Returns ``(X, selected gene indices, input scales)``.
+
+    With several processes (``comm``) each rank reads its share of each input's rows; the
+    statistics are summed over the ranks and the selected rows gathered.
     """
     from ._hvg import GeneStats, select_from_stats
 
+    multi = comm is not None and comm.active
     n_shared, n_domains = len(parts[0][3]), len(domain_names)
     stats = GeneStats(n_domains, n_shared)
-    readers, offset = [], 0
-    for adata, what, keep, cols in parts:
-        reader = ChunkReader(adata, config.layer, what, config.target_sum)
-        for start, stop, m in reader:
-            rows = _kept_rows(keep, start, stop)
-            d = domain[offset : offset + rows.size]
-            stats.add(m[rows - start][:, cols], d)
-            offset += rows.size
-        if reader.n_empty:
-            _warn_empty(reader.n_empty)
+    readers, spans, starts, first = [], [], [], 0
+    for adata, what, keep, _ in parts:
+        span = comm.share(adata.n_obs) if multi else np.arange(adata.n_obs)
+        reader = ChunkReader(
+            adata, config.layer, what, config.target_sum, rows=span if multi else None,
+            require_values=not multi,
+        )  # fmt: skip
         readers.append(reader)
+        spans.append(span)
+        starts.append(first)
+        first += adata.n_obs if keep is None else keep.size
+
+    def first_pass() -> None:
+        for reader, span, start0, (_, _, keep, cols) in zip(
+            readers, spans, starts, parts, strict=True
+        ):
+            for start, stop, m in reader:
+                lo = int(span[start]) if span.size else 0
+                rows = _kept_rows(keep, lo, lo + stop - start)
+                pos = start0 + (rows if keep is None else np.searchsorted(keep, rows))
+                stats.add(m[rows - lo][:, cols], domain[pos])
+
+    if not multi:
+        first_pass()
+    else:
+        comm.agree(first_pass)
+        for name in ("n", "sum", "sumsq", "nnz", "log_sum", "log_sumsq"):
+            setattr(stats, name, comm.sum(getattr(stats, name)))
+        _agree_on_reading(readers, comm)
+    for reader in readers:
+        if reader.n_empty and (not multi or comm.main):
+            _warn_empty(reader.n_empty)
     per_batch = stats.nnz.sum(axis=1)
     _check_expressed(per_batch, np.arange(n_domains), domain_names, config.batch_key, n_shared)
     hv = select_from_stats(stats, config.n_genes)
-    del stats
     blocks = []
-    for reader, (_, _, keep, cols) in zip(readers, parts, strict=True):
+    for reader, span, (_, _, keep, cols) in zip(readers, spans, parts, strict=True):
+        mine = [sp.csr_matrix((0, hv.size), dtype=np.float32)]
         for start, stop, m in reader:
-            blocks.append(m[_kept_rows(keep, start, stop) - start][:, cols[hv]])
+            lo = int(span[start]) if span.size else 0
+            mine.append(m[_kept_rows(keep, lo, lo + stop - start) - lo][:, cols[hv]])
+        if multi:  # every rank gets the input's whole selected matrix, in row order
+            mine = comm.gather_objects(sp.vstack(mine, format="csr"))
+        blocks.extend(mine)
     X = sp.vstack(blocks, format="csr", dtype=np.float32)
     return (
         X,
         hv,
         {what: reader.scale for reader, (_, what, _, _) in zip(readers, parts, strict=True)},
     )
+
+
+def _agree_on_reading(readers: list, comm: Any) -> None:
+    """After a sharded first pass: the checks one process makes on a whole input, made on the
+    ranks' sums (an input of only zeros; counts in some cells and log values in others), and
+    the value scale and number of empty cells of each input set alike on every rank.
+    """
+    seen = comm.gather_objects([(r.scale, r.nnz, r.n_empty) for r in readers])
+    for i, reader in enumerate(readers):
+        scales = [s[i][0] for s in seen if s[i][0] is not None]
+        where = f"{reader.what} {reader.source}"
+        if sum(s[i][1] for s in seen) == 0:
+            msg = (
+                f"The {where} holds only zeros; pass the layer with its counts or "
+                "log-normalised expression (layer=...)."
+            )
+            raise OrcaInputError(msg)
+        if len(set(scales)) > 1:
+            msg = (
+                f"The {where} holds integer counts in some cells but non-integer values in "
+                "others; pass one kind of values (all counts, or all log-normalised)."
+            )
+            raise OrcaInputError(msg)
+        reader.scale = scales[0] if scales else "counts"
+        reader.n_empty = sum(s[i][2] for s in seen)
 
 
 def _kept_rows(keep: np.ndarray | None, start: int, stop: int) -> np.ndarray:

@@ -35,6 +35,7 @@ from ._discover import (
     self_check_split,
     subsample_rows,
 )
+from ._dist import Comm, init_from_env, rank_device
 from ._model import OrcaModel
 from ._train import (
     CellMatrix,
@@ -66,12 +67,20 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     """Train ORCA on ``adata`` (+ ``reference``) and annotate ``adata``'s cells.
 
     Returns ``(model, annotation)``.
+
+    Under ``torchrun`` (or in a process group the caller initialised) the ranks train one model
+    together (:mod:`orca_sc._dist`); every rank returns the same model and annotation.
     """
-    device = resolve_device(cfg.device)  # options first, then the data
-    data = prepare(adata, reference, labels_key, cfg)
+    comm = init_from_env(cfg.device)
+    device = resolve_device(rank_device(cfg.device, comm))  # options first, then the data
+    if comm.active and not comm.main:
+        cfg = cfg.replace(progress=False)
+    data = prepare(adata, reference, labels_key, cfg, comm)
     n_seen = len(data.classes)
-    scale, offset, align_info = compute_transform(
-        cfg.alignment, data.X, data.labels, data.domain, len(data.domain_names), n_seen
+    scale, offset, align_info = comm.on_main(
+        lambda: compute_transform(
+            cfg.alignment, data.X, data.labels, data.domain, len(data.domain_names), n_seen
+        )
     )
     cells = CellMatrix(data.X, data.domain, scale, offset, device)
     plan, rand = schedule(data.n_cells, cfg), TrainRandom(cfg.seed, device)
@@ -84,25 +93,25 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     probe = dc.calibration_probe and calib.any() and plan.warmup > 0
     t0 = time.perf_counter()
     held = np.zeros_like(calib) if probe else calib  # with a probe every label trains the net
-    net, history = fit_warmup(cells, np.where(held, -1, data.labels), n_seen, cfg, plan, rand)
+    net, history = fit_warmup(cells, np.where(held, -1, data.labels), n_seen, cfg, plan, rand, comm)
     cap = None
     if probe:  # cross-fitting: a second warm-up without the held-out cells caps the threshold
         probe_net, _ = fit_warmup(
             cells, np.where(calib, -1, data.labels), n_seen, cfg, plan,
-            TrainRandom(cfg.seed + 1, device),
+            TrainRandom(cfg.seed + 1, device), comm,
         )  # fmt: skip
         lab = np.flatnonzero(data.labeled)
-        cos = _seen_similarity(probe_net, cells, lab)[1].max(axis=1)
-        cap = probe_threshold(cos, ~calib[lab], calib[lab], dc)
-    check = _self_check(cells, data, scale, offset, cfg, plan) if dc.self_check else None
+        cos = _seen_similarity(probe_net, cells, lab, comm)[1].max(axis=1)
+        cap = comm.on_main(lambda: probe_threshold(cos, ~calib[lab], calib[lab], dc))
+    check = _self_check(cells, data, scale, offset, cfg, plan, comm) if dc.self_check else None
     t1 = time.perf_counter()
     found, rows, _ = _discover(
-        net, cells, data, scale, offset, cfg, held, warmed_up=plan.warmup > 0, ood_cap=cap
+        net, cells, data, scale, offset, cfg, held, comm, warmed_up=plan.warmup > 0, ood_cap=cap
     )
     t2 = time.perf_counter()
     novel = NovelHeads(found.prototypes, found.prior, rows[found.anchor_cells], found.anchor_heads)
-    pairs = _pair_features(data, scale, offset, cfg)
-    net, history_ow = fit_open_world(net, cells, data.labels, novel, cfg, plan, rand, pairs)
+    pairs = comm.on_main(lambda: _pair_features(data, scale, offset, cfg))
+    net, history_ow = fit_open_world(net, cells, data.labels, novel, cfg, plan, rand, pairs, comm)
     t3 = time.perf_counter()
     logger.info("Novel heads: %d (estimated novel types: %d).", found.n_heads, found.n_novel)
     notes = found.diagnostics.get("notes", []) + (check or {}).get("notes", [])
@@ -121,7 +130,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
         class_centroids(data.X, np.where(anchor_rows, data.labels, -1), n_seen),
         history + history_ow,
     )
-    pred = model.predict_cells(cells)
+    pred = model.predict_cells(cells, comm)
     layout = cells.layout
     del cells  # the training matrix on the device
     names, merged, order = _name(data, pred.head, found.n_heads, cfg)
@@ -167,6 +176,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
             "discovery_seconds": t2 - t1,
             "device": str(device),
             "layout": layout,
+            "processes": comm.world,
         },
         "seed": cfg.seed,
         "version": __version__,
@@ -182,16 +192,18 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     return model, annotation
 
 
-def _seen_similarity(net, cells, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _seen_similarity(
+    net, cells, idx: np.ndarray, comm: Comm | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The L2-normalised embedding of the cells ``idx`` ``(n, D)`` and their cosine to each seen
     head of ``net`` ``(n, n_seen)`` (the net has no novel heads yet).
     """
-    _, emb = infer(net, cells, idx)
+    _, emb = infer(net, cells, idx, comm)
     seen_w = torch.nn.functional.normalize(net.head.weight.detach(), dim=1).cpu().numpy()
     return emb, emb @ seen_w.T
 
 
-def _self_check(cells, data, scale, offset, cfg, plan) -> dict[str, Any]:
+def _self_check(cells, data, scale, offset, cfg, plan, comm) -> dict[str, Any]:
     """The run-time self-check (``discovery.self_check``): a second warm-up without some known
     types and some known-type cells (:func:`orca_sc._discover.self_check_split`), the discover
     stage on it, and how the rules did (:func:`orca_sc._discover.self_check_report`).
@@ -210,16 +222,18 @@ def _self_check(cells, data, scale, offset, cfg, plan) -> dict[str, Any]:
     t0 = time.perf_counter()
     n_keep = int(split.labels.max()) + 1
     rand = TrainRandom(cfg.seed + 2, cells.device)
-    net, _ = fit_warmup(cells, split.labels, n_keep, cfg, plan, rand)
+    net, _ = fit_warmup(cells, split.labels, n_keep, cfg, plan, rand, comm)
     with warnings.catch_warnings():  # the probe's own notes are not the user's
         warnings.simplefilter("ignore")
         found, rows, maxcos = _discover(
-            net, cells, data, scale, offset, cfg, np.zeros_like(split.novel),
+            net, cells, data, scale, offset, cfg, np.zeros_like(split.novel), comm,
             warmed_up=True, labels=split.labels, domain=split.domain,
         )  # fmt: skip
-    report = self_check_report(
-        found.assign, maxcos, found.diagnostics["threshold"], data.labels[rows],
-        split.subset(rows), data.classes, dc,
+    report = comm.on_main(
+        lambda: self_check_report(
+            found.assign, maxcos, found.diagnostics["threshold"], data.labels[rows],
+            split.subset(rows), data.classes, dc,
+        )
     )  # fmt: skip
     report["seconds"] = time.perf_counter() - t0
     return report
@@ -233,6 +247,7 @@ def _discover(
     offset,
     cfg,
     calib,
+    comm,
     *,
     warmed_up,
     ood_cap=None,
@@ -255,23 +270,27 @@ def _discover(
 
     if not warmed_up:
         dim = cfg.hidden_dims[1]
-        found = discover_without_warmup(
-            labels[rows], pca_of, dim, n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed
+        found = comm.on_main(
+            lambda: discover_without_warmup(
+                labels[rows], pca_of, dim, n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed
+            )
         )
         return found, rows, None
-    emb, seen_similarity = _seen_similarity(net, cells, rows)
-    found = discover(
-        emb,
-        seen_similarity,
-        labels[rows],
-        domain[rows],
-        pca_of,
-        calibration=calib[rows],
-        ood_cap=ood_cap,
-        n_novel=cfg.n_novel,
-        cfg=dc,
-        seed=cfg.seed,
-        domain_names=[*data.domain_names, "self-check"],
+    emb, seen_similarity = _seen_similarity(net, cells, rows, comm)
+    found = comm.on_main(  # a decision: made once, on rank 0
+        lambda: discover(
+            emb,
+            seen_similarity,
+            labels[rows],
+            domain[rows],
+            pca_of,
+            calibration=calib[rows],
+            ood_cap=ood_cap,
+            n_novel=cfg.n_novel,
+            cfg=dc,
+            seed=cfg.seed,
+            domain_names=[*data.domain_names, "self-check"],
+        )
     )
     return found, rows, seen_similarity.max(axis=1)
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ._align import aligned_rows
 from ._config import OrcaConfig
+from ._dist import BatchShard, Comm
 from ._errors import ConfigError
 from .module import (
     OrcaNet,
@@ -180,6 +181,8 @@ class CellMatrix:
         in the form the first layer takes: a dense ``(len(idx), G)`` tensor or
         :class:`SparseRows`. Never waits on the device.
         """
+        if len(idx) == 0:  # a rank's empty part of a small global batch
+            return torch.zeros((0, self.shape[1]), device=self.device)
         if self.layout == "sparse":
             return self._sparse_rows(idx)
         if self.layout == "dense":
@@ -220,15 +223,22 @@ class CellMatrix:
 
 
 @torch.no_grad()
-def mean_uncertainty(net: OrcaNet, data: CellMatrix, rows: np.ndarray) -> float:
-    """Paper Eq. 4: mean over ``rows`` of ``1 - max softmax``, in eval mode."""
+def mean_uncertainty(
+    net: OrcaNet, data: CellMatrix, rows: np.ndarray, comm: Comm | None = None
+) -> float:
+    """Paper Eq. 4: mean over ``rows`` of ``1 - max softmax``, in eval mode (each rank of
+    ``comm`` takes its share of ``rows``; the sum is taken over the ranks).
+    """
     if rows.size == 0:
         return 0.0
     net.eval()
+    mine = rows if comm is None else rows[comm.share(rows.size)]
     total = torch.zeros((), device=data.device)
-    for lo in range(0, rows.size, _INFER_CHUNK):
-        logits, _ = net(data.batch(rows[lo : lo + _INFER_CHUNK]))
+    for lo in range(0, mine.size, _INFER_CHUNK):
+        logits, _ = net(data.batch(mine[lo : lo + _INFER_CHUNK]))
         total += (1 - F.softmax(logits, dim=1).amax(dim=1)).sum()
+    if comm is not None:
+        total = float(comm.sum(np.array([float(total)]))[0])
     return float(total) / rows.size
 
 
@@ -306,14 +316,18 @@ def fit_warmup(
     config: OrcaConfig,
     plan: Schedule,
     rand: TrainRandom,
+    comm: Comm | None = None,
 ) -> tuple[OrcaNet, list[dict]]:
     """A new :class:`OrcaNet` with one head per seen class, trained for ``plan.warmup`` epochs on
     the labelled cells with the supervised term alone (the margin follows the unlabelled cells'
     uncertainty as in the full objective). Returns the net and one history record per epoch.
+    ``comm``: the processes that train it together (see :mod:`orca_sc._dist`).
     """
     with rand.torch_stream():
         net = OrcaNet(data.shape[1], n_seen, config.hidden_dims, config.dropout).to(data.device)
-        history = _run_epochs(net, data, labels, range(plan.warmup), plan, config, rand, full=False)
+        history = _run_epochs(
+            net, data, labels, range(plan.warmup), plan, config, rand, False, comm=comm
+        )
     return net, history
 
 
@@ -326,6 +340,7 @@ def fit_open_world(
     plan: Schedule,
     rand: TrainRandom,
     pair_features: np.ndarray | None = None,
+    comm: Comm | None = None,
 ) -> tuple[OrcaNet, list[dict]]:
     """ORCA's open-world phase (paper Algorithm 1) on all cells: a new net with ``net``'s
     backbone and seen heads plus the novel heads of ``novel``, trained with the full objective
@@ -351,7 +366,7 @@ def fit_open_world(
             feats = torch.as_tensor(pair_features, dtype=torch.float32, device=dev)
         epochs = range(plan.warmup, plan.n_epochs)
         history = _run_epochs(
-            net, data, labels, epochs, plan, config, rand, True, prior, y_anchor, feats
+            net, data, labels, epochs, plan, config, rand, True, prior, y_anchor, feats, comm
         )
     net.eval()
     return net, history
@@ -375,23 +390,48 @@ def epoch_bar(epochs, desc: str, enabled: bool):
 
 
 def _run_epochs(
-    net, data, labels, epochs, plan, config, rand, full, prior=None, y_anchor=None, pair_feats=None
+    net,
+    data,
+    labels,
+    epochs,
+    plan,
+    config,
+    rand,
+    full,
+    prior=None,
+    y_anchor=None,
+    pair_feats=None,
+    comm=None,
 ) -> list[dict]:
     """Train ``net`` in place over ``epochs`` (epoch numbers of the whole run).
 
     Nothing in a step waits for the device: the batch indices of an epoch go to the device in
     one copy, the loss terms are summed there and read (and checked for NaN) once per epoch.
+
+    With several processes (``comm``), every rank draws the same mini-batches and runs the
+    forward pass on its part of each (:class:`orca_sc._dist.BatchShard`); the loss is taken on
+    the gathered batch and ``DistributedDataParallel`` averages the gradients.
     """
     device = data.device
+    comm = comm if comm is not None and comm.active else None
     y_all = torch.as_tensor(labels, device=device)
     lab_idx = np.flatnonzero(labels >= 0)
     unl_idx = np.flatnonzero(labels < 0)
     opt = _adam(net, config)
+    model = net
+    if comm is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device] if device.type == "cuda" else None
+        # buffers (BatchNorm running statistics) move the same on every rank: not broadcast
+        model = DistributedDataParallel(
+            net, device_ids=ids, forward_sync_buffers=False, process_group=comm.group
+        )
     history: list[dict] = []
     bar = epoch_bar(epochs, "ORCA" if full else "ORCA warm-up", config.progress)
     for epoch in bar:
         t_epoch = time.perf_counter()
-        u = mean_uncertainty(net, data, unl_idx)
+        u = mean_uncertainty(net, data, unl_idx, comm)
         margin = adaptive_margin(
             config.margin, u, config.lam, config.max_margin, config.fixed_margin
         )
@@ -412,11 +452,18 @@ def _run_epochs(
         sums = torch.zeros(5, device=device)
         for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             idx = order_t[lo:hi]
-            x = data.batch(batches[b], idx)
+            shard = None
+            if comm is None:
+                x = data.batch(batches[b], idx)
+            else:  # this rank's part of the batch
+                cut = comm.bounds(hi - lo)
+                shard = BatchShard(comm, tuple(int(c) for c in np.diff(cut)))
+                mine = slice(int(cut[comm.rank]), int(cut[comm.rank + 1]))
+                x = data.batch(batches[b][mine], idx[mine])
             y = y_all[idx]  # (B,)
             ya = y_anchor[idx] if anchored else None
             pf = pair_feats[idx] if pair_feats is not None else None
-            parts = _losses(net, x, y, margin, full, config, rand.pairs, prior, pf, ya)
+            parts = _losses(model, x, y, margin, full, config, rand.pairs, prior, pf, ya, shard)
             opt.zero_grad(set_to_none=True)
             parts[0].backward()
             opt.step()
@@ -460,19 +507,28 @@ def _adam(net: OrcaNet, config: OrcaConfig) -> torch.optim.Adam:
         return torch.optim.Adam(net.parameters(), **kw)
 
 
-def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anchor=None):
+def _losses(
+    net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anchor=None, shard=None
+):
     """Eq. 1: L = L_S + eta1 L_P + eta2 R, each term switchable. During the anchor epochs
     (``y_anchor`` given, ``-1`` for cells not anchored) ``anchor_weight`` times the plain
     cross-entropy of the anchored candidate novel cells towards their clusters' heads is added
     (no margin: the margin eases seen classes, not candidates). Returns
     ``(loss, supervised, pairwise, regulariser, anchor)``.
+
+    ``shard``: ``x`` is this rank's part of the batch whose labels etc. are given; the net's
+    outputs are gathered, so the loss is that of the whole batch.
     """
     if not full:  # the warm-up's batches hold labelled cells only
-        logits, _ = net(x)  # (B, K)
+        logits, _ = net(x, shard=shard)  # (B, K)
+        if shard is not None:
+            logits = shard.gather(logits)
         zero = logits.sum() * 0.0
         sup = margin_cross_entropy(logits, y, margin) if config.supervised else zero
         return sup, sup, zero, zero, zero
-    (logits, feat), (logits2, _) = net.forward_views(x)  # two dropout masks
+    (logits, feat), (logits2, _) = net(x, views=2, shard=shard)  # two dropout masks
+    if shard is not None:
+        logits, feat, logits2 = (shard.gather(t) for t in (logits, feat, logits2))
     zero = logits.sum() * 0.0
     anchor = zero
     if y_anchor is not None:
@@ -503,11 +559,16 @@ def _losses(net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anch
 
 @torch.no_grad()
 def infer(
-    net: OrcaNet, data: CellMatrix, rows: np.ndarray | None = None
+    net: OrcaNet, data: CellMatrix, rows: np.ndarray | None = None, comm: Comm | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax probabilities ``(n, K)`` and L2-normalised embeddings ``(n, D)`` in eval mode."""
+    """Softmax probabilities ``(n, K)`` and L2-normalised embeddings ``(n, D)`` in eval mode
+    (with several processes, ``comm``: each rank infers its share, and all get all rows).
+    """
     net.eval()
     rows = np.arange(data.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
+    if comm is not None and comm.active:
+        probs, embs = infer(net, data, rows[comm.share(rows.size)])
+        return comm.gather_rows(probs), comm.gather_rows(embs)
     probs = np.empty((rows.size, net.n_heads), dtype=np.float32)
     embs = np.empty((rows.size, net.head.weight.shape[1]), dtype=np.float32)
     for lo in range(0, rows.size, _INFER_CHUNK):

@@ -101,6 +101,24 @@ def _errors(ctx: click.Context):
         raise click.ClickException(msg) from None
 
 
+def _rank() -> int:
+    """The rank of this process under ``torchrun`` (0 otherwise)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextmanager
+def _reported_by_rank0():
+    """Under ``torchrun`` only rank 0 reports an error (the others exit with the same status,
+    silently): every rank meets the same error.
+    """
+    try:
+        yield
+    except click.ClickException as e:
+        if _rank() != 0:
+            sys.exit(e.exit_code)
+        raise
+
+
 def _option_message(ctx: click.Context, e: Any) -> str:
     """A :class:`~orca_sc._errors.ConfigError` in the command's own terms: the field and any
     other field it names become the command-line options (``warmup_epochs=5`` -> ``--warmup-epochs
@@ -490,7 +508,9 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
     from ._pipeline import DEFAULT, fit, resolve_config
     from .tl._annotate import write_annotation
 
-    with _errors(ctx), _cli_logging(quiet):
+    rank0 = _rank() == 0  # under torchrun, rank 0 logs and writes
+    quiet = quiet or not rank0
+    with _reported_by_rank0(), _errors(ctx), _cli_logging(quiet):
         n_novel_v = _parse_n_novel(n_novel)
         if n_genes < 0:
             raise CliError(
@@ -529,6 +549,8 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
         adata = _read_h5ad(query, "Query", on_disk)
         _check_obs_key(adata, truth_key, "query", "--truth-key")
         model, result = fit(adata, ref, labels_key, cfg)
+        if not rank0:
+            return
         write_annotation(adata, "orca", model, result)
         if model_path is not None:
             outputs.add(model_path, model.save)
@@ -594,6 +616,11 @@ def predict(
     from .tl import predict as tl_predict
 
     with _errors(ctx), _cli_logging(quiet):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise CliError(
+                "predict runs in one process; run 'orca-sc predict' without torchrun "
+                "(torchrun is for training: 'torchrun ... -m orca_sc annotate')."
+            )
         _check_device(device)
         outputs = _Outputs(overwrite, [model, query])
         out_path = outputs.claim(

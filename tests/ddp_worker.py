@@ -1,0 +1,147 @@
+"""Run under ``torchrun --nproc_per_node 2`` by ``tests/test_distributed.py`` (and usable by
+hand): trains with several processes, then, on rank 0 alone, trains the same thing as one
+process, and writes what differs to ``OUT/ddp.json``.
+
+Usage: ``torchrun --standalone --nproc_per_node 2 tests/ddp_worker.py REF.h5ad QUERY.h5ad OUT``
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import orca_sc
+from orca_sc._config import OrcaConfig
+from orca_sc._data import prepare
+from orca_sc._dist import Comm, init_from_env
+from orca_sc._pipeline import fit
+from orca_sc._train import CellMatrix, TrainRandom, fit_warmup, schedule
+
+
+def _training(data, cfg, comm):
+    """Two epochs of the supervised warm-up, as one process or as ``comm``'s ranks."""
+    shape = (len(data.domain_names), data.X.shape[1])
+    cells = CellMatrix(data.X, data.domain, np.ones(shape), np.zeros(shape), torch.device("cpu"))
+    plan = schedule(data.n_cells, cfg)
+    net, hist = fit_warmup(
+        cells, data.labels, len(data.classes), cfg, plan, TrainRandom(cfg.seed, cells.device), comm
+    )
+    return net.state_dict(), [h["loss"] for h in hist], plan.steps_per_epoch
+
+
+def _one_step(data, cfg, comm):
+    """The gradient of the full objective on one mini-batch of 300 cells (labelled and not),
+    and the BatchNorm running statistics after it.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from orca_sc._dist import BatchShard
+    from orca_sc._train import _losses
+    from orca_sc.module import OrcaNet
+
+    shape = (len(data.domain_names), data.X.shape[1])
+    cells = CellMatrix(data.X, data.domain, np.ones(shape), np.zeros(shape), torch.device("cpu"))
+    torch.manual_seed(0)
+    net = OrcaNet(data.X.shape[1], len(data.classes) + 2, cfg.hidden_dims, cfg.dropout)
+    batch = np.random.default_rng(0).choice(data.n_cells, 300, replace=False)
+    y = torch.as_tensor(data.labels[batch])
+    model, shard, rows = net, None, batch
+    if comm is not None:
+        model = DistributedDataParallel(net, process_group=comm.group)
+        cut = comm.bounds(batch.size)
+        shard = BatchShard(comm, tuple(int(c) for c in np.diff(cut)))
+        rows = batch[cut[comm.rank] : cut[comm.rank + 1]]
+    net.train()
+    torch.manual_seed(1)
+    gen = torch.Generator().manual_seed(2)
+    loss = _losses(model, cells.batch(rows), y, 0.2, True, cfg, gen, None, None, None, shard)
+    loss[0].backward()
+    grads = {k: p.grad.detach().clone() for k, p in net.named_parameters()}
+    stats = {k: v.detach().clone() for k, v in net.state_dict().items() if "running" in k}
+    return float(loss[0].detach()), grads, stats
+
+
+def _rel(a: dict, b: dict) -> float:
+    """Largest difference over the tensors of ``a`` and ``b``, relative to their largest value
+    (per tensor it would not do: the biases before a BatchNorm have a gradient of zero, which
+    both runs compute as rounding noise of 1e-8).
+    """
+    diff = max(float((a[k] - b[k]).abs().max()) for k in b)
+    return diff / max(float(b[k].abs().max()) for k in b)
+
+
+def main(ref_path: str, query_path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    comm = init_from_env("cpu")
+    cfg = OrcaConfig(
+        device="cpu", epochs=6, warmup_epochs=2, min_steps=0, n_genes=300, progress=False,
+        batch_size=256,
+    )  # fmt: skip
+    ref = orca_sc.read_lazy(ref_path, "Reference")
+    query = orca_sc.read_lazy(query_path, "Query")
+    t0 = time.perf_counter()
+    data = prepare(query, ref, "cell_type", cfg, comm)  # each rank reads its share
+    t_prep = time.perf_counter() - t0
+    step_d = _one_step(data, cfg, comm)
+    t0 = time.perf_counter()
+    state_d, loss_d, steps = _training(data, cfg, comm)
+    t_train = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, ann_d = fit(query, ref, "cell_type", cfg)
+    t_fit = time.perf_counter() - t0
+    world = comm.world
+    dist.barrier()
+    dist.destroy_process_group()
+    if comm.rank != 0:
+        return
+    os.environ["WORLD_SIZE"] = "1"  # no longer a torchrun process group
+    # the same as one process (the process group is gone: Comm is inactive)
+    single = Comm()
+    assert not single.active
+    data_s = prepare(query, ref, "cell_type", cfg, single)
+    step_s = _one_step(data_s, cfg, None)
+    state_s, loss_s, _ = _training(data_s, cfg, None)
+    t0 = time.perf_counter()
+    _, ann_s = fit(query, ref, "cell_type", cfg)
+    t_fit_s = time.perf_counter() - t0
+    param_diff = {
+        k: float((state_d[k].double() - state_s[k].double()).abs().max()) for k in state_s
+    }
+    result = {
+        "world": world,
+        "same_genes": data.genes == data_s.genes,
+        "matrix_max_diff": float(abs(data.X - data_s.X).max()),
+        "same_labels_prepared": bool(np.array_equal(data.labels, data_s.labels)),
+        "step_loss": [step_d[0], step_s[0]],
+        "step_grad_rel_diff": _rel(step_d[1], step_s[1]),
+        "step_grad_per_param": {
+            k: [
+                float((step_d[1][k] - step_s[1][k]).abs().max()),
+                float(step_s[1][k].abs().max()),
+                float(step_d[1][k].abs().max()),
+            ]
+            for k in step_s[1]
+        },
+        "step_running_stats_rel_diff": _rel(step_d[2], step_s[2]),
+        "warmup_steps_per_epoch": steps,
+        "warmup_loss_distributed": loss_d,
+        "warmup_loss_single": loss_s,
+        "warmup_param_max_diff": max(param_diff.values()),
+        "label_agreement": float(np.mean(ann_d.labels == ann_s.labels)),
+        "n_novel_distributed": len(ann_d.novel_names),
+        "n_novel_single": len(ann_s.novel_names),
+        "embedding_max_diff": float(np.abs(ann_d.embedding - ann_s.embedding).max()),
+        "processes_recorded": ann_d.uns["training"]["processes"],
+        "seconds": {"prepare": t_prep, "warmup": t_train, "fit": t_fit, "fit_single": t_fit_s},
+    }
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "ddp.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
