@@ -527,8 +527,10 @@ def _losses(
         sup = margin_cross_entropy(logits, y, margin) if config.supervised else zero
         return sup, sup, zero, zero, zero
     (logits, feat), (logits2, _) = net(x, views=2, shard=shard)  # two dropout masks
-    if shard is not None:
-        logits, feat, logits2 = (shard.gather(t) for t in (logits, feat, logits2))
+    if shard is not None:  # one exchange for the three
+        k, d = logits.shape[1], feat.shape[1]
+        joined = shard.gather(torch.cat([logits, logits2, feat], dim=1))
+        logits, logits2, feat = joined[:, :k], joined[:, k : 2 * k], joined[:, 2 * k : 2 * k + d]
     zero = logits.sum() * 0.0
     anchor = zero
     if y_anchor is not None:

@@ -81,20 +81,27 @@ def dropout(h: torch.Tensor, p: float, training: bool, shard: Any = None) -> tor
     return h * (u >= p) * (1.0 / (1.0 - p))
 
 
-def synced_batch_norm(h: torch.Tensor, bn: nn.BatchNorm1d, shard: Any) -> torch.Tensor:
+def synced_batch_norm(
+    h: torch.Tensor, bn: nn.BatchNorm1d, shard: Any, passes: int = 1
+) -> torch.Tensor:
     """``bn`` in training mode over the global batch whose rows ``h`` are this rank's part
     (``shard``): mean and variance summed over the ranks, differentiably, and the running
-    statistics moved as one process would. (``torch.nn.SyncBatchNorm`` runs on GPUs only.)
+    statistics moved as one process would for ``passes`` passes of the batch.
+    (``torch.nn.SyncBatchNorm`` runs on GPUs only.)
     """
     n = shard.total
-    mean = shard.sum(h.sum(dim=0)) / n
-    centred = h - mean
-    var = shard.sum((centred * centred).sum(dim=0)) / n  # biased, as in the normalisation
-    out = centred * torch.rsqrt(var + bn.eps)
+    # one exchange for both moments, in float64 so that E[h^2] - E[h]^2 loses nothing
+    h64 = h.double()
+    sums = shard.sum(torch.cat([h64.sum(dim=0), (h64 * h64).sum(dim=0)])) / n
+    mean64, sq64 = sums.chunk(2)
+    mean = mean64.to(h.dtype)
+    var = (sq64 - mean64 * mean64).clamp_min(0).to(h.dtype)  # biased, as in the normalisation
+    out = (h - mean) * torch.rsqrt(var + bn.eps)
     if bn.affine:
         out = out * bn.weight + bn.bias
     if bn.track_running_stats:
-        _move_running_stats(bn, mean.detach(), var.detach() * (n / max(n - 1, 1)))
+        for _ in range(passes):
+            _move_running_stats(bn, mean.detach(), var.detach() * (n / max(n - 1, 1)))
     return out
 
 
@@ -137,23 +144,23 @@ class MLPBackbone(nn.Module):
         """
         return self._block2(self._trunk(x, shard=shard), shard)
 
-    def _bn(self, bn: nn.BatchNorm1d, h: torch.Tensor, shard: Any) -> torch.Tensor:
-        if shard is not None and bn.training:
-            return synced_batch_norm(h, bn, shard)
-        return bn(h)
+    def _bn(self, bn: nn.BatchNorm1d, h: torch.Tensor, shard: Any, passes: int = 1):
+        """``bn(h)``; in training its running statistics move as for ``passes`` passes."""
+        if shard is not None and bn.training:  # one exchange for all passes
+            return synced_batch_norm(h, bn, shard, passes)
+        out = bn(h)
+        if bn.training and bn.track_running_stats:
+            with torch.no_grad():  # the other passes' updates of the running statistics
+                for _ in range(passes - 1):
+                    bn(h.detach())
+        return out
 
     def _trunk(self, x: torch.Tensor | SparseRows, passes: int = 1, shard: Any = None):
         """Linear -> BatchNorm -> ReLU: everything before the first dropout. In training, the
         BatchNorm's running statistics move as for ``passes`` passes of the batch.
         """
-        bn = self.net[1]
         h = first_linear(self.net[0], x)
-        a = self.net[2](self._bn(bn, h, shard))
-        if bn.training and bn.track_running_stats:
-            with torch.no_grad():  # the other passes' updates of the running statistics
-                for _ in range(passes - 1):
-                    self._bn(bn, h.detach(), shard)
-        return a
+        return self.net[2](self._bn(self.net[1], h, shard, passes))
 
     def _block2(self, h: torch.Tensor, shard: Any = None) -> torch.Tensor:
         """Dropout -> Linear -> BatchNorm -> ReLU -> Dropout."""
