@@ -9,6 +9,7 @@ CSR float32 throughout.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -551,6 +552,8 @@ def _read_streamed(
     multi = comm is not None and comm.active
     n_shared, n_domains = len(parts[0][3]), len(domain_names)
     stats = GeneStats(n_domains, n_shared)
+    stored = np.zeros(n_shared, dtype=np.int64)  # stored values per gene: the selection's nnz
+    n_rows = 0
     readers, spans, starts, first = [], [], [], 0
     for adata, what, keep, _ in parts:
         span = comm.share(adata.n_obs) if multi else np.arange(adata.n_obs)
@@ -564,6 +567,7 @@ def _read_streamed(
         first += adata.n_obs if keep is None else keep.size
 
     def first_pass() -> None:
+        nonlocal n_rows
         for reader, span, start0, (_, _, keep, cols) in zip(
             readers, spans, starts, parts, strict=True
         ):
@@ -571,7 +575,10 @@ def _read_streamed(
                 lo = int(span[start]) if span.size else 0
                 rows = _kept_rows(keep, lo, lo + stop - start)
                 pos = start0 + (rows if keep is None else np.searchsorted(keep, rows))
-                stats.add(m[rows - lo][:, cols], domain[pos])
+                sub = m[rows - lo][:, cols]
+                stats.add(sub, domain[pos])
+                stored[:] += np.bincount(sub.indices, minlength=n_shared)
+                n_rows += rows.size
 
     if not multi:
         first_pass()
@@ -586,21 +593,82 @@ def _read_streamed(
     per_batch = stats.nnz.sum(axis=1)
     _check_expressed(per_batch, np.arange(n_domains), domain_names, config.batch_key, n_shared)
     hv = select_from_stats(stats, config.n_genes)
-    blocks = []
-    for reader, span, (_, _, keep, cols) in zip(readers, spans, parts, strict=True):
-        mine = [sp.csr_matrix((0, hv.size), dtype=np.float32)]
-        for start, stop, m in reader:
+
+    def selected(i: int):  # the second pass: input i's selected rows, chunk by chunk
+        (_, _, keep, cols), span = parts[i], spans[i]
+        for start, stop, m in readers[i]:
             lo = int(span[start]) if span.size else 0
-            mine.append(m[_kept_rows(keep, lo, lo + stop - start) - lo][:, cols[hv]])
-        if multi:  # every rank gets the input's whole selected matrix, in row order
-            mine = comm.gather_objects(sp.vstack(mine, format="csr"))
-        blocks.extend(mine)
-    X = sp.vstack(blocks, format="csr", dtype=np.float32)
+            yield m[_kept_rows(keep, lo, lo + stop - start) - lo][:, cols[hv]]
+
+    if multi:  # every rank gets each input's whole selected matrix, in row order
+        blocks = []
+        for i in range(len(parts)):
+            empty = sp.csr_matrix((0, hv.size), dtype=np.float32)
+            blocks.extend(comm.gather_objects(sp.vstack([empty, *selected(i)], format="csr")))
+        X = sp.vstack(blocks, format="csr", dtype=np.float32)
+    else:
+        chunks = (b for i in range(len(parts)) for b in selected(i))
+        X = _fill_csr(chunks, n_rows, hv.size, int(stored[hv].sum()))
     return (
         X,
         hv,
         {what: reader.scale for reader, (_, what, _, _) in zip(readers, parts, strict=True)},
     )
+
+
+def _fill_csr(blocks, n_rows: int, n_cols: int, nnz: int) -> sp.csr_matrix:
+    """The CSR matrix of the row ``blocks`` (in order; ``nnz`` stored values in all), written
+    into arrays allocated once at their final size instead of joined at the end (which held the
+    matrix twice). The arrays live in a scratch file, memory-mapped (:func:`_scratch_array`):
+    the system keeps in memory what room allows, so the selected matrix need not fit in it.
+    """
+    idx = np.int32 if max(nnz, n_rows, n_cols) < np.iinfo(np.int32).max else np.int64
+    data = _scratch_array(nnz, np.float32)
+    indices = _scratch_array(nnz, idx)
+    indptr = np.zeros(n_rows + 1, dtype=idx)
+    row = pos = 0
+    for b in blocks:
+        b.sort_indices()
+        k = b.nnz
+        if pos + k > nnz or row + b.shape[0] > n_rows:
+            raise RuntimeError("the input changed between two passes over it")
+        data[pos : pos + k] = b.data
+        indices[pos : pos + k] = b.indices
+        indptr[row + 1 : row + 1 + b.shape[0]] = b.indptr[1:] + pos
+        row, pos = row + b.shape[0], pos + k
+    if (row, pos) != (n_rows, nnz):
+        raise RuntimeError("the input changed between two passes over it")
+    X = sp.csr_matrix((n_rows, n_cols), dtype=np.float32)
+    X.data, X.indices, X.indptr = data, indices, indptr  # no check that would copy them
+    X.has_sorted_indices = True
+    return X
+
+
+def _scratch_array(n: int, dtype) -> np.ndarray:
+    """A zero-filled array of ``n`` values of ``dtype`` in a memory-mapped file in the temporary
+    folder (``TMPDIR``), unlinked at once (its space is freed when the array is); in memory
+    when the folder lacks the space (the space is reserved first, so that a full disk is an
+    error here and not a crash on a later write).
+    """
+    import tempfile
+
+    size = n * np.dtype(dtype).itemsize
+    if size == 0:
+        return np.zeros(n, dtype=dtype)
+    fd, path = tempfile.mkstemp(prefix="orca_sc-", suffix=".bin")
+    try:
+        os.unlink(path)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+        with open(fd, "r+b", closefd=False) as f:
+            return np.memmap(f, dtype=dtype, mode="r+", shape=(n,))
+    except OSError as e:
+        logger.info("No room for a %.1f GiB scratch file (%s); kept in memory.", size / 2**30, e)
+        return np.zeros(n, dtype=dtype)
+    finally:
+        os.close(fd)
 
 
 def _agree_on_reading(readers: list, comm: Any) -> None:

@@ -146,13 +146,15 @@ def _message(e: BaseException) -> str:
 
 
 @contextmanager
-def _cli_logging(quiet: bool):
-    """Log and warn on stderr as single lines; ``quiet`` keeps only warnings and errors."""
+def _cli_logging(quiet: bool, silent: bool = False):
+    """Log and warn on stderr as single lines; ``quiet`` keeps only warnings and errors,
+    ``silent`` (the ranks other than 0 under torchrun) only errors.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     old_level = logger.level
     logger.addHandler(handler)
-    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    logger.setLevel(logging.ERROR if silent else logging.WARNING if quiet else logging.INFO)
 
     def show(message, category, filename, lineno, file=None, line=None):
         click.echo(f"Warning: {' '.join(str(message).split())}", err=True)
@@ -161,7 +163,8 @@ def _cli_logging(quiet: bool):
         with warnings.catch_warnings():  # restores the filters and showwarning on exit
             # orca_sc's own warnings are for the user; third-party notices are noise here
             warnings.simplefilter("ignore")
-            warnings.filterwarnings("default", category=UserWarning, module=r"orca_sc(\.|$)")
+            if not silent:
+                warnings.filterwarnings("default", category=UserWarning, module=r"orca_sc(\.|$)")
             warnings.showwarning = show
             yield
     finally:
@@ -510,7 +513,7 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
 
     rank0 = _rank() == 0  # under torchrun, rank 0 logs and writes
     quiet = quiet or not rank0
-    with _reported_by_rank0(), _errors(ctx), _cli_logging(quiet):
+    with _reported_by_rank0(), _errors(ctx), _cli_logging(quiet, silent=not rank0):
         n_novel_v = _parse_n_novel(n_novel)
         if n_genes < 0:
             raise CliError(

@@ -107,6 +107,38 @@ def test_prepare_from_disk_equals_in_memory(on_disk, fmt):
     assert disk.input_scale == mem.input_scale == {"reference": "counts", "query": "counts"}
 
 
+def test_selected_matrix_from_disk_lives_in_an_unlinked_scratch_file(
+    on_disk, tmp_path, monkeypatch
+):
+    """Input on disk: the selected matrix is written once into arrays of its final size in a
+    memory-mapped scratch file, which leaves nothing in the temporary folder; with no room for
+    it the arrays are kept in memory, with the same values.
+    """
+    ref, query, paths = on_disk
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
+    cfg = OrcaConfig(n_genes=150)
+    mem = prepare(query, ref, "cell_type", cfg)
+    disk = prepare(
+        orca_sc.read_lazy(paths["query"]), orca_sc.read_lazy(paths["ref"]), "cell_type", cfg
+    )
+    assert isinstance(disk.X.data, np.memmap) and isinstance(disk.X.indices, np.memmap)
+    assert list(scratch.iterdir()) == []  # unlinked at once
+    assert (disk.X != mem.X).nnz == 0 and disk.X.has_sorted_indices
+
+    def no_room(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(data_mod.os, "posix_fallocate", no_room, raising=False)
+    full = prepare(
+        orca_sc.read_lazy(paths["query"]), orca_sc.read_lazy(paths["ref"]), "cell_type", cfg
+    )
+    assert not isinstance(full.X.data, np.memmap)
+    assert (full.X != mem.X).nnz == 0
+
+
 def test_annotate_and_predict_from_disk_give_the_in_memory_labels(on_disk, tmp_path):
     """Same seed: the same labels whether the query is in memory, a backed .h5ad or a zarr
     store; the files are not modified; a saved model labels the on-disk query as it labels the
