@@ -34,9 +34,10 @@ def _training(data, cfg, comm):
     return net.state_dict(), [h["loss"] for h in hist], plan.steps_per_epoch
 
 
-def _one_step(data, cfg, comm):
+def _one_step(data, cfg, comm, layout="dense"):
     """The gradient of the full objective on one mini-batch of 300 cells (labelled and not),
-    and the BatchNorm running statistics after it.
+    and the BatchNorm running statistics after it; the batches' scale and offset are not the
+    identity, so that the sparse layout's offset term takes part.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -45,7 +46,9 @@ def _one_step(data, cfg, comm):
     from orca_sc.module import OrcaNet
 
     shape = (len(data.domain_names), data.X.shape[1])
-    cells = CellMatrix(data.X, data.domain, np.ones(shape), np.zeros(shape), torch.device("cpu"))
+    rng = np.random.default_rng(5)
+    scale, offset = rng.uniform(0.8, 1.2, shape), rng.normal(0, 0.1, shape)
+    cells = CellMatrix(data.X, data.domain, scale, offset, torch.device("cpu"), layout=layout)
     torch.manual_seed(0)
     net = OrcaNet(data.X.shape[1], len(data.classes) + 2, cfg.hidden_dims, cfg.dropout)
     batch = np.random.default_rng(0).choice(data.n_cells, 300, replace=False)
@@ -88,6 +91,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
     data = prepare(query, ref, "cell_type", cfg, comm)  # each rank reads its share
     t_prep = time.perf_counter() - t0
     step_d = _one_step(data, cfg, comm)
+    sparse_d = _one_step(data, cfg, comm, "sparse")
     t0 = time.perf_counter()
     state_d, loss_d, steps = _training(data, cfg, comm)
     t_train = time.perf_counter() - t0
@@ -105,6 +109,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
     assert not single.active
     data_s = prepare(query, ref, "cell_type", cfg, single)
     step_s = _one_step(data_s, cfg, None)
+    sparse_s = _one_step(data_s, cfg, None, "sparse")
     state_s, loss_s, _ = _training(data_s, cfg, None)
     t0 = time.perf_counter()
     _, ann_s = fit(query, ref, "cell_type", cfg)
@@ -128,6 +133,9 @@ def main(ref_path: str, query_path: str, out: str) -> None:
             for k in step_s[1]
         },
         "step_running_stats_rel_diff": _rel(step_d[2], step_s[2]),
+        "sparse_step_loss": [sparse_d[0], sparse_s[0]],
+        "sparse_step_grad_rel_diff": _rel(sparse_d[1], sparse_s[1]),
+        "sparse_vs_dense_grad_rel_diff": _rel(sparse_s[1], step_s[1]),
         "warmup_steps_per_epoch": steps,
         "warmup_loss_distributed": loss_d,
         "warmup_loss_single": loss_s,

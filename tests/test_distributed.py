@@ -59,6 +59,11 @@ def test_one_step_has_the_single_process_gradient(ddp_result):
     assert loss_d == pytest.approx(loss_s, rel=1e-6)
     assert ddp_result["step_grad_rel_diff"] < 1e-5
     assert ddp_result["step_running_stats_rel_diff"] < 1e-5
+    # the sparse first layer (CPU, sparse data) with per-batch scale and offset: the same
+    loss_d, loss_s = ddp_result["sparse_step_loss"]
+    assert loss_d == pytest.approx(loss_s, rel=1e-6)
+    assert ddp_result["sparse_step_grad_rel_diff"] < 1e-5
+    assert ddp_result["sparse_vs_dense_grad_rel_diff"] < 1e-5
 
 
 def test_training_and_annotation_follow_single_process(ddp_result):
