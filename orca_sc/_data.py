@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,12 +60,15 @@ def get_matrix(adata: Any, layer: str | None, what: str) -> sp.csr_matrix:
         X = X.to_memory()
     X = _checked_csr(X, f"{what} {source}")
     if X.nnz == 0:
-        msg = (
-            f"The {what} {source} holds only zeros; pass the layer with its counts or "
-            "log-normalised expression (layer=...)."
-        )
-        raise OrcaInputError(msg)
+        raise _only_zeros(f"{what} {source}")
     return X
+
+
+def _only_zeros(where: str) -> OrcaInputError:
+    return OrcaInputError(
+        f"The {where} holds only zeros; pass the layer with its counts or "
+        "log-normalised expression (layer=...)."
+    )
 
 
 def _checked_csr(X: Any, where: str) -> sp.csr_matrix:
@@ -175,11 +179,7 @@ class ChunkReader:
             yield start, stop, m
         self.nnz = nnz
         if nnz == 0 and self.require_values:
-            msg = (
-                f"The {where} holds only zeros; pass the layer with its counts or "
-                "log-normalised expression (layer=...)."
-            )
-            raise OrcaInputError(msg)
+            raise _only_zeros(where)
         if self.scale is None:
             self.scale = "counts"
 
@@ -541,8 +541,9 @@ def _read_streamed(
     each shared gene)`` in row order. Two passes over each input: the first accumulates the
     per-batch gene statistics of the highly variable gene selection
     (:class:`orca_sc._hvg.GeneStats`, same genes as scanpy on the whole matrix), the second
-    keeps the selected genes. Peak memory: the selected matrix twice (its chunks, then joined)
-    plus one chunk of all genes. Returns ``(X, selected gene indices, input scales)``.
+    writes the selected genes into the final arrays (:func:`_fill_csr`, a memory-mapped scratch
+    file). Peak memory: one chunk of all genes. Returns ``(X, selected gene indices, input
+    scales)``.
 
     With several processes (``comm``) each rank reads its share of each input's rows; the
     statistics are summed over the ranks and the selected rows gathered.
@@ -584,8 +585,7 @@ def _read_streamed(
         first_pass()
     else:
         comm.agree(first_pass)
-        for name in ("n", "sum", "sumsq", "nnz", "log_sum", "log_sumsq"):
-            setattr(stats, name, comm.sum(getattr(stats, name)))
+        stats.apply(comm.sum)
         _agree_on_reading(readers, comm)
     for reader in readers:
         if reader.n_empty and (not multi or comm.main):
@@ -650,8 +650,6 @@ def _scratch_array(n: int, dtype) -> np.ndarray:
     when the folder lacks the space (the space is reserved first, so that a full disk is an
     error here and not a crash on a later write).
     """
-    import tempfile
-
     size = n * np.dtype(dtype).itemsize
     if size == 0:
         return np.zeros(n, dtype=dtype)
@@ -681,11 +679,7 @@ def _agree_on_reading(readers: list, comm: Any) -> None:
         scales = [s[i][0] for s in seen if s[i][0] is not None]
         where = f"{reader.what} {reader.source}"
         if sum(s[i][1] for s in seen) == 0:
-            msg = (
-                f"The {where} holds only zeros; pass the layer with its counts or "
-                "log-normalised expression (layer=...)."
-            )
-            raise OrcaInputError(msg)
+            raise _only_zeros(where)
         if len(set(scales)) > 1:
             msg = (
                 f"The {where} holds integer counts in some cells but non-integer values in "

@@ -62,8 +62,14 @@ class Comm:
     def main(self) -> bool:
         return self.rank == 0
 
+    def batch_shard(self, n: int) -> BatchShard:
+        """The ranks' shares of a global mini-batch of ``n`` cells (see :meth:`share`)."""
+        return BatchShard(self, tuple(int(s) for s in np.diff(self.bounds(n))))
+
     def share(self, n: int) -> np.ndarray:
-        """The positions, among ``n``, that fall to this rank ``n`` (contiguous; sizes differ by at most one)."""
+        """The positions among ``n`` that fall to this rank (contiguous; the ranks' shares
+        differ in size by at most one).
+        """
         lo, hi = self.bounds(n)[self.rank : self.rank + 2]
         return np.arange(lo, hi)
 
@@ -259,6 +265,11 @@ class BatchShard:
     @property
     def n(self) -> int:
         return self.sizes[self.comm.rank]
+
+    @property
+    def rows(self) -> slice:
+        """The positions in the global batch that fall to this rank."""
+        return slice(self.lo, self.lo + self.n)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the ranks, differentiably."""

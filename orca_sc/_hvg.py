@@ -28,6 +28,11 @@ class GeneStats:
         self.log_sum = np.zeros(shape)
         self.log_sumsq = np.zeros(shape)
 
+    def apply(self, fn) -> None:
+        """Replace each array by ``fn(array)`` (e.g. its sum over several processes)."""
+        for name in ("n", "sum", "sumsq", "nnz", "log_sum", "log_sumsq"):
+            setattr(self, name, fn(getattr(self, name)))
+
     def add(self, X: sp.csr_matrix, batch: np.ndarray) -> None:
         """Add the cells of ``X`` (log-normalised, CSR) whose batch codes are ``batch``."""
         nb = self.n.size

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ._align import aligned_rows
 from ._config import OrcaConfig
-from ._dist import BatchShard, Comm
+from ._dist import Comm
 from ._errors import ConfigError
 from .module import (
     OrcaNet,
@@ -456,10 +456,8 @@ def _run_epochs(
             if comm is None:
                 x = data.batch(batches[b], idx)
             else:  # this rank's part of the batch
-                cut = comm.bounds(hi - lo)
-                shard = BatchShard(comm, tuple(int(c) for c in np.diff(cut)))
-                mine = slice(int(cut[comm.rank]), int(cut[comm.rank + 1]))
-                x = data.batch(batches[b][mine], idx[mine])
+                shard = comm.batch_shard(hi - lo)
+                x = data.batch(batches[b][shard.rows], idx[shard.rows])
             y = y_all[idx]  # (B,)
             ya = y_anchor[idx] if anchored else None
             pf = pair_feats[idx] if pair_feats is not None else None

@@ -619,7 +619,9 @@ def predict(
     from .tl import predict as tl_predict
 
     with _errors(ctx), _cli_logging(quiet):
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from ._dist import launched
+
+        if launched():
             raise CliError(
                 "predict runs in one process; run 'orca-sc predict' without torchrun "
                 "(torchrun is for training: 'torchrun ... -m orca_sc annotate')."

@@ -41,7 +41,6 @@ def _one_step(data, cfg, comm, layout="dense"):
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from orca_sc._dist import BatchShard
     from orca_sc._train import _losses
     from orca_sc.module import OrcaNet
 
@@ -56,9 +55,8 @@ def _one_step(data, cfg, comm, layout="dense"):
     model, shard, rows = net, None, batch
     if comm is not None:
         model = DistributedDataParallel(net, process_group=comm.group)
-        cut = comm.bounds(batch.size)
-        shard = BatchShard(comm, tuple(int(c) for c in np.diff(cut)))
-        rows = batch[cut[comm.rank] : cut[comm.rank + 1]]
+        shard = comm.batch_shard(batch.size)
+        rows = batch[shard.rows]
     net.train()
     torch.manual_seed(1)
     gen = torch.Generator().manual_seed(2)
