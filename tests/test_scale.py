@@ -232,7 +232,7 @@ def test_sparse_and_dense_batches_give_the_same_layer_and_gradient():
         net.zero_grad()
         h = net.backbone._trunk(cells.batch(idx))
         h.pow(2).sum().backward()
-        grads.append((h.detach().clone(), net.backbone.net[0].weight.grad.clone()))
+        grads.append((h.detach().clone(), net.backbone.net[0].weight_t.grad.clone()))
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-3)
     p1, e1 = infer(net, sparse)
@@ -299,19 +299,34 @@ def test_marker_sample_caps_each_label():
     assert counts == {"a": 10, "b": 5, "c": 10}
 
 
-def test_first_layer_weight_is_column_major_and_saves_as_before(tmp_path):
-    """The first weight is stored transposed in memory (for the sparse product) but its values,
-    shape and state_dict are those of a plain ``nn.Linear``.
+def test_first_layer_weight_is_held_transposed_and_saves_as_nn_linear(tmp_path):
+    """The first weight is held as a contiguous ``(G, H)`` parameter (for the sparse product and
+    Adam's fused kernel), but its values, shape and ``state_dict`` are those of ``nn.Linear``:
+    files saved before load, and the same draws give the same initial weights.
     """
+    torch.manual_seed(0)
     net = OrcaNet(30, 3, (8, 4), 0.1)
-    w = net.backbone.net[0].weight
-    assert w.shape == (8, 30) and w.stride() == (1, 8)
-    torch.save(net.state_dict(), tmp_path / "n.pt")
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(30, 8)
+    first = net.backbone.net[0]
+    assert first.weight_t.shape == (30, 8) and first.weight_t.is_contiguous()
+    assert first.weight.shape == (8, 30)
+    torch.testing.assert_close(first.weight, plain.weight)
+    torch.testing.assert_close(first(torch.ones(2, 30)), plain(torch.ones(2, 30)))
+    state = net.state_dict()
+    assert list(state)[:2] == ["backbone.net.0.weight", "backbone.net.0.bias"]
+    assert state["backbone.net.0.weight"].shape == (8, 30)
+    assert [n for n, _ in net.named_parameters()][0] == "backbone.net.0.weight_t"
+    torch.save(state, tmp_path / "n.pt")
     other = OrcaNet(30, 3, (8, 4), 0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        other.load_state_dict(torch.load(tmp_path / "n.pt", weights_only=True))
-    torch.testing.assert_close(other.backbone.net[0].weight, w)
+    other.load_state_dict(torch.load(tmp_path / "n.pt", weights_only=True))
+    torch.testing.assert_close(other.backbone.net[0].weight, first.weight)
+    # a file of nn.Linear's layout (as saved before this parameter was held transposed)
+    old = {k: v.contiguous() for k, v in state.items()}
+    third = OrcaNet(30, 3, (8, 4), 0.1)
+    third.load_state_dict(old)
+    torch.testing.assert_close(third.backbone.net[0].weight, first.weight)
+    assert third.backbone.net[0].weight_t.is_contiguous()
 
 
 def test_same_seed_same_result_with_two_threads():
