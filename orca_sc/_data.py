@@ -644,6 +644,83 @@ def _fill_csr(blocks, n_rows: int, n_cols: int, nnz: int) -> sp.csr_matrix:
     return X
 
 
+def _spill_csr(blocks, n_cols: int) -> sp.csr_matrix:
+    """The CSR matrix of the row ``blocks`` (in order) when their number of stored values is
+    not known before the one pass over them: values and column indices are appended to two
+    unlinked scratch files in the temporary folder and memory-mapped at the end, so the matrix
+    is never held twice (joining the blocks held it twice). Where the folder has no room, what
+    was written is read back and the rest kept in memory.
+    """
+    parts: list[tuple[list, list]] | None = None  # (values, indices) in memory, if no room
+    files = []
+    try:
+        files = [tempfile.TemporaryFile(prefix="orca_sc-") for _ in range(2)]
+    except OSError as e:
+        logger.info("No scratch file (%s); the matrix is kept in memory.", e)
+        parts = ([], [])
+    row_counts, nnz = [], 0
+    try:
+        for b in blocks:
+            b.sort_indices()
+            values = np.ascontiguousarray(b.data, dtype=np.float32)
+            cols = np.ascontiguousarray(b.indices, dtype=np.int32)
+            if parts is None:
+                try:
+                    _append(files[0], values)
+                    _append(files[1], cols)
+                except OSError as e:
+                    logger.info("No room for the scratch file (%s); kept in memory.", e)
+                    parts = tuple(
+                        [_read_back(f, dt, nnz)]
+                        for f, dt in zip(files, (np.float32, np.int32), strict=True)
+                    )
+            if parts is not None:
+                parts[0].append(values)
+                parts[1].append(cols)
+            row_counts.append(np.diff(b.indptr))
+            nnz += b.nnz
+        if parts is None:
+            data, indices = (
+                _mapped(f, dt, nnz) for f, dt in zip(files, (np.float32, np.int32), strict=True)
+            )
+        else:
+            data = np.concatenate([np.empty(0, np.float32), *parts[0]])
+            indices = np.concatenate([np.empty(0, np.int32), *parts[1]])
+    finally:
+        for f in files:
+            f.close()  # a mapped file lives on in its mapping
+    counts = np.concatenate([np.empty(0, np.int64), *row_counts])
+    idx = np.int32 if nnz < np.iinfo(np.int32).max else np.int64
+    if idx is np.int64:  # more than 2**31 stored values: scipy wants indices as wide as indptr
+        wide = _scratch_array(nnz, np.int64)
+        for lo in range(0, nnz, 1 << 26):
+            wide[lo : lo + (1 << 26)] = indices[lo : lo + (1 << 26)]
+        indices = wide
+    indptr = np.zeros(counts.size + 1, dtype=idx)
+    np.cumsum(counts, out=indptr[1:])
+    X = sp.csr_matrix((counts.size, n_cols), dtype=np.float32)
+    X.data, X.indices, X.indptr = data, indices, indptr  # no check that would copy them
+    X.has_sorted_indices = True
+    return X
+
+
+def _append(f, values: np.ndarray) -> None:
+    f.write(memoryview(values).cast("B"))
+
+
+def _read_back(f, dtype, n: int) -> np.ndarray:
+    f.flush()
+    f.seek(0)
+    return np.fromfile(f, dtype=dtype, count=n)
+
+
+def _mapped(f, dtype, n: int) -> np.ndarray:
+    if n == 0:
+        return np.zeros(0, dtype=dtype)
+    f.flush()
+    return np.memmap(f, dtype=dtype, mode="r+", shape=(n,))
+
+
 def _scratch_array(n: int, dtype) -> np.ndarray:
     """A zero-filled array of ``n`` values of ``dtype`` in a memory-mapped file in the temporary
     folder (``TMPDIR``), unlinked at once (its space is freed when the array is); in memory

@@ -20,6 +20,7 @@ from ._config import OrcaConfig
 from ._data import (
     ChunkReader,
     OrcaInputError,
+    _spill_csr,
     batch_column,
     check_unique_genes,
     get_matrix,
@@ -224,7 +225,7 @@ class OrcaModel:
         )
         if streamed:  # read from disk in chunks; only the model's genes are held
             reader = ChunkReader(adata, layer, "data to predict", self.config.target_sum)
-            Xg = sp.vstack([(m @ sel).tocsr() for _, _, m in reader], format="csr")
+            Xg = _spill_csr(((m @ sel).tocsr() for _, _, m in reader), len(self.genes))
             scale_kind = reader.scale
         else:
             Xg = (X @ sel).tocsr()

@@ -8,6 +8,7 @@ from orca_sc import HEAD_SCALE
 from orca_sc.module import (
     NormedLinear,
     OrcaNet,
+    dropout,
     entropy_regularizer,
     joint_cosine_features,
     margin_cross_entropy,
@@ -146,6 +147,50 @@ def test_select_pairs_random_partner_within_class():
         assert torch.all(idx != torch.arange(10))
         seen.update(idx.tolist())
     assert len(seen) > 5  # partners are drawn at random, not always the same cell
+
+
+def test_labelled_partner_is_uniform_among_the_other_cells_of_its_class():
+    """Each labelled cell's partner is another cell of its class, each of them equally often
+    (chi-square against uniform), never itself unless it is alone in its class in the batch.
+    """
+    labels = torch.tensor([2, 0, 2, 1, 2, 2, 0, 2, -1, 7])
+    feats = torch.randn(10, 3)
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([select_pairs(feats, labels, g) for _ in range(3000)])  # (3000, 10)
+    for i, c in enumerate(labels.tolist()):
+        if c < 0:
+            continue
+        others = [j for j, d in enumerate(labels.tolist()) if d == c and j != i]
+        got = draws[:, i]
+        if not others:  # alone in its class: paired with itself
+            assert torch.all(got == i)
+            continue
+        assert set(got.tolist()) == set(others)
+        counts = np.array([(got == j).sum().item() for j in others], dtype=float)
+        expected = 3000 / len(others)
+        chi2 = ((counts - expected) ** 2 / expected).sum()
+        assert chi2 < 20.0, (i, counts)  # df <= 4: p < 0.001 under uniformity
+
+
+def test_dropout_mask_drops_p_independently():
+    from orca_sc.module import keep_mask
+
+    torch.manual_seed(0)
+    keep = keep_mask((400, 1000), 0.1, torch.device("cpu"))
+    assert keep.shape == (400, 1000) and keep.dtype == torch.bool
+    drop = (~keep).double()
+    assert abs(drop.mean().item() - 0.1) < 0.003  # 400,000 draws: sd 0.0005
+    # the four 16-bit lanes of a 64-bit word are independent: neighbours drop together p^2
+    both = (drop[:, :-1] * drop[:, 1:]).mean().item()
+    assert abs(both - 0.01) < 0.002
+    assert keep_mask((7, 3), 0.0, torch.device("cpu")).all()
+    assert not keep_mask((7, 3), 1.0, torch.device("cpu")).any()
+    h = torch.ones(64, 512, requires_grad=True)
+    out = dropout(h, 0.25, True)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / 0.75))
+    out.sum().backward()
+    torch.testing.assert_close(h.grad, kept.float() / 0.75)
 
 
 def test_orcanet_shapes():

@@ -139,6 +139,49 @@ def test_selected_matrix_from_disk_lives_in_an_unlinked_scratch_file(
     assert (full.X != mem.X).nnz == 0
 
 
+def test_blocks_of_unknown_size_spill_to_a_mapped_scratch_file(tmp_path, monkeypatch):
+    """What ``OrcaModel.predict`` does with input on disk (one pass, the number of stored values
+    not known before): the joined matrix lives in unlinked memory-mapped files and equals
+    ``sp.vstack`` of the blocks; with no room part-way, the rest is kept in memory, same values.
+    """
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    rng = np.random.default_rng(0)
+    blocks = [
+        sp.random(n, 40, density=0.2, format="csr", dtype=np.float32, random_state=rng)
+        for n in (30, 0, 25, 1, 44)
+    ]
+    expected = sp.vstack(blocks, format="csr")
+    b = blocks[2]  # the same block with its columns unsorted within each row
+    for r in range(b.shape[0]):
+        lo, hi = b.indptr[r], b.indptr[r + 1]
+        b.indices[lo:hi], b.data[lo:hi] = b.indices[lo:hi][::-1].copy(), b.data[lo:hi][::-1].copy()
+    b.has_sorted_indices = False
+    X = data_mod._spill_csr(iter(blocks), 40)
+    assert isinstance(X.data, np.memmap) and isinstance(X.indices, np.memmap)
+    assert list(scratch.iterdir()) == []
+    assert X.shape == (100, 40) and (X != expected).nnz == 0 and X.has_sorted_indices
+    X.check_format(full_check=True)
+
+    written = []
+
+    def full_after_two(f, values):
+        if len(written) >= 2:
+            raise OSError(28, "No space left on device")
+        written.append(values.size)
+        f.write(memoryview(values).cast("B"))
+
+    monkeypatch.setattr(data_mod, "_append", full_after_two)
+    Y = data_mod._spill_csr(iter(blocks), 40)
+    assert not isinstance(Y.data, np.memmap)
+    assert (Y != expected).nnz == 0
+    Y.check_format(full_check=True)
+    empty = data_mod._spill_csr(iter([]), 40)
+    assert empty.shape == (0, 40) and empty.nnz == 0
+
+
 def test_annotate_and_predict_from_disk_give_the_in_memory_labels(on_disk, tmp_path):
     """Same seed: the same labels whether the query is in memory, a backed .h5ad or a zarr
     store; the files are not modified; a saved model labels the on-disk query as it labels the
