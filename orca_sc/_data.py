@@ -638,10 +638,7 @@ def _fill_csr(blocks, n_rows: int, n_cols: int, nnz: int) -> sp.csr_matrix:
         row, pos = row + b.shape[0], pos + k
     if (row, pos) != (n_rows, nnz):
         raise RuntimeError("the input changed between two passes over it")
-    X = sp.csr_matrix((n_rows, n_cols), dtype=np.float32)
-    X.data, X.indices, X.indptr = data, indices, indptr  # no check that would copy them
-    X.has_sorted_indices = True
-    return X
+    return _csr_over(data, indices, indptr, n_cols)
 
 
 def _spill_csr(blocks, n_cols: int) -> sp.csr_matrix:
@@ -651,6 +648,7 @@ def _spill_csr(blocks, n_cols: int) -> sp.csr_matrix:
     is never held twice (joining the blocks held it twice). Where the folder has no room, what
     was written is read back and the rest kept in memory.
     """
+    kinds = (np.float32, np.int32)  # values, column indices
     parts: list[tuple[list, list]] | None = None  # (values, indices) in memory, if no room
     files = []
     try:
@@ -671,8 +669,7 @@ def _spill_csr(blocks, n_cols: int) -> sp.csr_matrix:
                 except OSError as e:
                     logger.info("No room for the scratch file (%s); kept in memory.", e)
                     parts = tuple(
-                        [_read_back(f, dt, nnz)]
-                        for f, dt in zip(files, (np.float32, np.int32), strict=True)
+                        [_read_back(f, dt, nnz)] for f, dt in zip(files, kinds, strict=True)
                     )
             if parts is not None:
                 parts[0].append(values)
@@ -680,9 +677,7 @@ def _spill_csr(blocks, n_cols: int) -> sp.csr_matrix:
             row_counts.append(np.diff(b.indptr))
             nnz += b.nnz
         if parts is None:
-            data, indices = (
-                _mapped(f, dt, nnz) for f, dt in zip(files, (np.float32, np.int32), strict=True)
-            )
+            data, indices = (_mapped(f, dt, nnz) for f, dt in zip(files, kinds, strict=True))
         else:
             data = np.concatenate([np.empty(0, np.float32), *parts[0]])
             indices = np.concatenate([np.empty(0, np.int32), *parts[1]])
@@ -698,8 +693,15 @@ def _spill_csr(blocks, n_cols: int) -> sp.csr_matrix:
         indices = wide
     indptr = np.zeros(counts.size + 1, dtype=idx)
     np.cumsum(counts, out=indptr[1:])
-    X = sp.csr_matrix((counts.size, n_cols), dtype=np.float32)
-    X.data, X.indices, X.indptr = data, indices, indptr  # no check that would copy them
+    return _csr_over(data, indices, indptr, n_cols)
+
+
+def _csr_over(data, indices, indptr, n_cols: int) -> sp.csr_matrix:
+    """A float32 CSR matrix over the given arrays (sorted columns in each row) as they are:
+    no format check, which would copy memory-mapped arrays into memory.
+    """
+    X = sp.csr_matrix((indptr.size - 1, n_cols), dtype=np.float32)
+    X.data, X.indices, X.indptr = data, indices, indptr
     X.has_sorted_indices = True
     return X
 
