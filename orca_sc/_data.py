@@ -553,7 +553,9 @@ def _read_streamed(
     multi = comm is not None and comm.active
     n_shared, n_domains = len(parts[0][3]), len(domain_names)
     stats = GeneStats(n_domains, n_shared)
-    stored = np.zeros(n_shared, dtype=np.int64)  # stored values per gene: the selection's nnz
+    # stored values per gene, the size of the selected matrix (one process only: with several,
+    # each rank's blocks are gathered as they are)
+    stored = np.zeros(n_shared if not multi else 0, dtype=np.int64)
     n_rows = 0
     readers, spans, starts, first = [], [], [], 0
     for adata, what, keep, _ in parts:
@@ -578,7 +580,8 @@ def _read_streamed(
                 pos = start0 + (rows if keep is None else np.searchsorted(keep, rows))
                 sub = m[rows - lo][:, cols]
                 stats.add(sub, domain[pos])
-                stored[:] += np.bincount(sub.indices, minlength=n_shared)
+                if not multi:
+                    stored[:] += np.bincount(sub.indices, minlength=n_shared)
                 n_rows += rows.size
 
     if not multi:

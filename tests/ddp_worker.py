@@ -18,7 +18,7 @@ import torch.distributed as dist
 import orca_sc
 from orca_sc._config import OrcaConfig
 from orca_sc._data import prepare
-from orca_sc._dist import Comm, init_from_env
+from orca_sc._dist import BatchShard, Comm, init_from_env
 from orca_sc._pipeline import fit
 from orca_sc._train import CellMatrix, TrainRandom, fit_warmup, schedule
 
@@ -34,10 +34,11 @@ def _training(data, cfg, comm):
     return net.state_dict(), [h["loss"] for h in hist], plan.steps_per_epoch
 
 
-def _one_step(data, cfg, comm, layout="dense"):
-    """The gradient of the full objective on one mini-batch of 300 cells (labelled and not),
+def _one_step(data, cfg, comm, layout="dense", n=300, sizes=None):
+    """The gradient of the full objective on one mini-batch of ``n`` cells (labelled and not),
     and the BatchNorm running statistics after it; the batches' scale and offset are not the
-    identity, so that the sparse layout's offset term takes part.
+    identity, so that the sparse layout's offset term takes part. ``sizes``: the ranks' shares
+    of the batch (default: as the trainer splits it), e.g. ``(0, n)`` for a rank with no rows.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -50,12 +51,12 @@ def _one_step(data, cfg, comm, layout="dense"):
     cells = CellMatrix(data.X, data.domain, scale, offset, torch.device("cpu"), layout=layout)
     torch.manual_seed(0)
     net = OrcaNet(data.X.shape[1], len(data.classes) + 2, cfg.hidden_dims, cfg.dropout)
-    batch = np.random.default_rng(0).choice(data.n_cells, 300, replace=False)
+    batch = np.random.default_rng(0).choice(data.n_cells, n, replace=False)
     y = torch.as_tensor(data.labels[batch])
     model, shard, rows = net, None, batch
     if comm is not None:
         model = DistributedDataParallel(net, process_group=comm.group)
-        shard = comm.batch_shard(batch.size)
+        shard = comm.batch_shard(batch.size) if sizes is None else BatchShard(comm, sizes)
         rows = batch[shard.rows]
     net.train()
     torch.manual_seed(1)
@@ -90,6 +91,12 @@ def main(ref_path: str, query_path: str, out: str) -> None:
     t_prep = time.perf_counter() - t0
     step_d = _one_step(data, cfg, comm)
     sparse_d = _one_step(data, cfg, comm, "sparse")
+    # a rank with no rows of the batch (more ranks than cells in a small last batch)
+    empty_d = {
+        f"{layout}_{k}": _one_step(data, cfg, comm, layout, n=6, sizes=(k, 6 - k))
+        for layout in ("dense", "sparse")
+        for k in (0, 6)
+    }
     t0 = time.perf_counter()
     state_d, loss_d, steps = _training(data, cfg, comm)
     t_train = time.perf_counter() - t0
@@ -108,6 +115,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
     data_s = prepare(query, ref, "cell_type", cfg, single)
     step_s = _one_step(data_s, cfg, None)
     sparse_s = _one_step(data_s, cfg, None, "sparse")
+    empty_s = {layout: _one_step(data_s, cfg, None, layout, n=6) for layout in ("dense", "sparse")}
     state_s, loss_s, _ = _training(data_s, cfg, None)
     t0 = time.perf_counter()
     _, ann_s = fit(query, ref, "cell_type", cfg)
@@ -134,6 +142,14 @@ def main(ref_path: str, query_path: str, out: str) -> None:
         "sparse_step_loss": [sparse_d[0], sparse_s[0]],
         "sparse_step_grad_rel_diff": _rel(sparse_d[1], sparse_s[1]),
         "sparse_vs_dense_grad_rel_diff": _rel(sparse_s[1], step_s[1]),
+        "empty_rank_step": {
+            k: {
+                "loss": [d[0], empty_s[k.split("_")[0]][0]],
+                "grad_rel_diff": _rel(d[1], empty_s[k.split("_")[0]][1]),
+                "running_stats_rel_diff": _rel(d[2], empty_s[k.split("_")[0]][2]),
+            }
+            for k, d in empty_d.items()
+        },
         "warmup_steps_per_epoch": steps,
         "warmup_loss_distributed": loss_d,
         "warmup_loss_single": loss_s,

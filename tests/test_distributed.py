@@ -66,6 +66,21 @@ def test_one_step_has_the_single_process_gradient(ddp_result):
     assert ddp_result["sparse_vs_dense_grad_rel_diff"] < 1e-5
 
 
+def test_a_rank_without_rows_of_the_batch_keeps_the_step_exact(ddp_result):
+    """A 6-cell batch whose cells all fall to one rank (rank 0 or rank 1 with none: what a
+    small last batch gives with more ranks than cells), dense and sparse layouts: the empty
+    rank still takes part in every exchange, and loss, gradient and running statistics are the
+    single process's.
+    """
+    steps = ddp_result["empty_rank_step"]
+    assert sorted(steps) == ["dense_0", "dense_6", "sparse_0", "sparse_6"]
+    for step in steps.values():
+        loss_d, loss_s = step["loss"]
+        assert loss_d == pytest.approx(loss_s, rel=1e-6)
+        assert step["grad_rel_diff"] < 1e-5
+        assert step["running_stats_rel_diff"] < 1e-5
+
+
 def test_training_and_annotation_follow_single_process(ddp_result):
     """Over epochs the two runs drift only by rounding: same first-epoch loss, and the whole
     annotation (warm-up, discovery on rank 0, open-world fit) labels the cells alike.
