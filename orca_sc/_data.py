@@ -553,9 +553,9 @@ def _read_streamed(
     multi = comm is not None and comm.active
     n_shared, n_domains = len(parts[0][3]), len(domain_names)
     stats = GeneStats(n_domains, n_shared)
-    # stored values per gene, the size of the selected matrix (one process only: with several,
-    # each rank's blocks are gathered as they are)
-    stored = np.zeros(n_shared if not multi else 0, dtype=np.int64)
+    # stored values per gene, the size of the selected matrix (counted by one process only:
+    # with several, each rank's blocks are gathered as they are)
+    stored = np.zeros(n_shared, dtype=np.int64)
     n_rows = 0
     readers, spans, starts, first = [], [], [], 0
     for adata, what, keep, _ in parts:
@@ -625,7 +625,7 @@ def _fill_csr(blocks, n_rows: int, n_cols: int, nnz: int) -> sp.csr_matrix:
     matrix twice). The arrays live in a scratch file, memory-mapped (:func:`_scratch_array`):
     the system keeps in memory what room allows, so the selected matrix need not fit in it.
     """
-    idx = np.int32 if max(nnz, n_rows, n_cols) < np.iinfo(np.int32).max else np.int64
+    idx = _index_dtype(nnz, n_rows, n_cols)
     data = _scratch_array(nnz, np.float32)
     indices = _scratch_array(nnz, idx)
     indptr = np.zeros(n_rows + 1, dtype=idx)
@@ -663,8 +663,8 @@ def _spill_csr(blocks, n_cols: int) -> sp.csr_matrix:
     try:
         for b in blocks:
             b.sort_indices()
-            values = np.ascontiguousarray(b.data, dtype=np.float32)
-            cols = np.ascontiguousarray(b.indices, dtype=np.int32)
+            values = np.ascontiguousarray(b.data, dtype=kinds[0])
+            cols = np.ascontiguousarray(b.indices, dtype=kinds[1])
             if parts is None:
                 try:
                     _append(files[0], values)
@@ -682,14 +682,15 @@ def _spill_csr(blocks, n_cols: int) -> sp.csr_matrix:
         if parts is None:
             data, indices = (_mapped(f, dt, nnz) for f, dt in zip(files, kinds, strict=True))
         else:
-            data = np.concatenate([np.empty(0, np.float32), *parts[0]])
-            indices = np.concatenate([np.empty(0, np.int32), *parts[1]])
+            data, indices = (
+                np.concatenate([np.empty(0, dt), *p]) for p, dt in zip(parts, kinds, strict=True)
+            )
     finally:
         for f in files:
             f.close()  # a mapped file lives on in its mapping
     counts = np.concatenate([np.empty(0, np.int64), *row_counts])
-    idx = np.int32 if nnz < np.iinfo(np.int32).max else np.int64
-    if idx is np.int64:  # more than 2**31 stored values: scipy wants indices as wide as indptr
+    idx = _index_dtype(nnz, counts.size, n_cols)
+    if idx is np.int64:  # 2**31 stored values or more: scipy wants indices as wide as indptr
         wide = _scratch_array(nnz, np.int64)
         for lo in range(0, nnz, 1 << 26):
             wide[lo : lo + (1 << 26)] = indices[lo : lo + (1 << 26)]
@@ -697,6 +698,13 @@ def _spill_csr(blocks, n_cols: int) -> sp.csr_matrix:
     indptr = np.zeros(counts.size + 1, dtype=idx)
     np.cumsum(counts, out=indptr[1:])
     return _csr_over(data, indices, indptr, n_cols)
+
+
+def _index_dtype(*sizes: int):
+    """The index dtype of a CSR matrix with these sizes (stored values, rows, columns):
+    ``int32`` while they fit in it, as scipy would choose.
+    """
+    return np.int32 if max(sizes) < np.iinfo(np.int32).max else np.int64
 
 
 def _csr_over(data, indices, indptr, n_cols: int) -> sp.csr_matrix:
