@@ -10,6 +10,10 @@ class OrcaInputError(ValueError):
     """Input data or options that cannot be used, with a message saying how to fix it."""
 
 
+class TrainingDivergedError(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
 class ConfigError(OrcaInputError):
     """An invalid option value. ``option`` is the :class:`~orca_sc.OrcaConfig` (or
     :class:`~orca_sc.DiscoveryConfig`) field, which is also the keyword of ``tl.annotate``; the

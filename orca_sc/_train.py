@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ._align import aligned_rows
 from ._config import OrcaConfig
 from ._dist import Comm
-from ._errors import ConfigError
+from ._errors import ConfigError, TrainingDivergedError
 from .module import (
     OrcaNet,
     SparseRows,
@@ -38,10 +38,6 @@ from .module import (
 logger = logging.getLogger(__name__)
 
 _INFER_CHUNK = 8192
-
-
-class TrainingDivergedError(RuntimeError):
-    """The loss became NaN or infinite."""
 
 
 def resolve_device(device: str) -> torch.device:

@@ -70,8 +70,7 @@ class _Group(click.Group):
 @contextmanager
 def _errors(ctx: click.Context):
     """Turn the package's input errors into one-line CLI errors (full traceback with --debug)."""
-    from ._errors import ConfigError, OrcaInputError
-    from ._train import TrainingDivergedError
+    from ._errors import ConfigError, OrcaInputError, TrainingDivergedError
 
     debug = ctx.find_root().params.get("debug", False)
     try:

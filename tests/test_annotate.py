@@ -431,24 +431,35 @@ def test_novel_cells_are_not_absorbed_by_seen_heads_on_simulated_counts():
 def test_anchoring_separates_novel_types_the_warm_up_embedding_merges():
     """4,000 simulated cells x 2,000 genes, 10 types, 5 novel: the candidate clusters are the
     novel types, but the warmed-up embedding maps them together; without anchoring the candidate
-    cells to their heads, seen heads and one novel head absorb them (novel accuracy 0.29
-    measured when written; 0.54, 4 of 5 found, with issue 22's random streams), with it 0.97.
-    Pairs are taken in the PCA alone (``pair_space="pca"``), which isolates the anchor; with the
-    default ``"both"`` it was 0.28 without and 0.88 with. On 2,000 cells x 1,000 genes the
-    embedding keeps them apart without anchoring too (0.86 against 0.997, measured), so the test
-    needs this size.
+    cells to their heads, seen heads absorb whole novel types; with it every novel type keeps its
+    own cluster. Pairs are taken in the PCA alone (``pair_space="pca"``), which isolates the anchor.
+
+    Measured on an AMD EPYC (2 threads, issue 22's random streams): without anchoring type_7 and
+    type_9 went to type_1 (215 of 234 and 146 of 157 cells), 68% of novel-type cells were called
+    novel and the Hungarian novel accuracy was 0.62; with it 97%, 0.96, 5 clusters for 5 types.
+    Which types are absorbed depends on the floating-point path (the Hungarian accuracy without
+    anchoring was 0.29 and 0.54 on other machines and versions), so the test asserts the
+    mechanism, a novel type absorbed whole, not one figure. On 2,000 cells x 1,000 genes the
+    embedding keeps the types apart without anchoring too (0.86 against 0.997), so the test needs
+    this size.
     """
     from orca_sc.benchmark import simulated_open_world
 
-    acc = {}
+    absorbed, called_novel = {}, {}
     for epochs in (0, 1):
         a, lab = simulated_open_world(4000, 2000, seed=0)
         orca_sc.tl.annotate(
             a, labels_key="lab", progress=False, anchor_epochs=epochs, pair_space="pca"
         )
-        r = orca_sc.metrics.report(a[~lab], "cell_type")
-        acc[epochs] = r["novel_accuracy"]
+        q = a[~lab]
+        r = orca_sc.metrics.report(q, "cell_type")
         assert r["seen_accuracy"] > 0.95
+        truth = q.obs["cell_type"].astype(str)
+        is_novel = q.obs["orca_novel"].notna()
+        by_type = is_novel.groupby(truth).mean()  # share called novel, per true type
+        novel_types = [f"type_{i}" for i in range(5, 10)]
+        absorbed[epochs] = int((by_type[novel_types] < 0.5).sum())  # types mostly in known heads
+        called_novel[epochs] = float(is_novel[truth.isin(novel_types)].mean())
         h = a.uns["orca"]["history"]
         anchored, warmup = np.asarray(h["anchored"]), np.asarray(h["warmup"])
         # anchored epochs (scaled like the warm-up on small data) follow the warm-up at once
@@ -457,8 +468,9 @@ def test_anchoring_separates_novel_types_the_warm_up_embedding_merges():
             assert np.flatnonzero(anchored).tolist() == list(
                 range(warmup.sum(), warmup.sum() + anchored.sum())
             )
-    assert acc[1] > 0.9 and r["n_novel_found"] == 5
-    assert acc[0] < 0.6
+            assert r["novel_accuracy"] > 0.9 and r["n_novel_found"] == 5
+    assert absorbed[0] >= 1 and called_novel[0] < 0.85
+    assert absorbed[1] == 0 and called_novel[1] > 0.95
 
 
 def test_known_type_rare_in_reference_is_not_reported_as_novel(tmp_path):

@@ -3,6 +3,8 @@
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import anndata as ad
 import numpy as np
@@ -209,6 +211,39 @@ def test_version_and_help():
     for cmd in ("annotate", "predict", "demo"):
         r = _invoke([cmd, "--help"])
         assert r.exit_code == 0 and "Example" in r.stdout
+
+
+def test_import_and_help_do_not_load_the_heavy_stack():
+    """``import orca_sc`` and ``orca-sc --help`` stay light (PEP 562 lazy names); the public names
+    still resolve on first use. Run in a fresh interpreter: this one has torch loaded already.
+    """
+    code = (
+        "import sys, orca_sc\n"
+        "from orca_sc.cli import main\n"
+        "heavy = {'torch', 'scanpy', 'sklearn', 'anndata'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "from orca_sc import OrcaModel, OrcaConfig, TrainingDivergedError\n"
+        "assert 'torch' in sys.modules\n"
+        "assert orca_sc.tl.annotate and orca_sc.metrics.report and 'tl' in dir(orca_sc)\n"
+        "assert all(getattr(orca_sc, n) is not None for n in orca_sc.__all__)\n"
+        "from orca_sc._train import TrainingDivergedError as T\n"
+        "assert T is TrainingDivergedError\n"
+        "try:\n"
+        "    orca_sc.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    assert 'no_such_name' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "orca_sc", "--help"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0 and "annotate" in r.stdout
+    loaded = {line.split("|")[-1].strip() for line in r.stderr.splitlines()}
+    assert not {"torch", "scanpy", "sklearn", "anndata"} & loaded
 
 
 # --------------------------------------------------------------------------------- bad inputs
