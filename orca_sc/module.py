@@ -34,14 +34,26 @@ class SparseRows:
 
 
 class _SparseMatmul(torch.autograd.Function):
-    """``x @ weight_t`` for a sparse ``x`` whose transpose is given: the weight gradient
-    ``x.T @ grad`` is then a sparse product too (torch's own backward of a CSR product is slower).
+    """``x @ weight_t`` for a sparse ``x`` whose transpose is given.
+
+    Forward: each row of ``x`` is a weighted bag of the weight's gene rows, which
+    :func:`torch.nn.functional.embedding_bag` sums (512 x 2,000 at 5.6% non-zeros times
+    2,000 x 512, 2 CPU threads: 1.0 ms against 2.0 ms for ``torch.sparse.mm``). Backward: the
+    weight gradient ``x.T @ grad`` is a sparse product with the given transpose (1.8 ms;
+    embedding_bag's own backward, or torch's backward of a CSR product, is slower).
     """
 
     @staticmethod
     def forward(ctx, x, xt, weight_t):  # (B, G) CSR, (G, B) CSR, (G, H) -> (B, H)
         ctx.save_for_backward(xt)
-        return torch.sparse.mm(x, weight_t)
+        return F.embedding_bag(
+            x.col_indices(),
+            weight_t,
+            x.crow_indices(),
+            mode="sum",
+            per_sample_weights=x.values(),
+            include_last_offset=True,
+        )
 
     @staticmethod
     def backward(ctx, grad):  # (B, H)

@@ -284,6 +284,30 @@ def test_sparse_and_dense_batches_give_the_same_layer_and_gradient():
     np.testing.assert_allclose(e1, e2, atol=1e-5)
 
 
+@pytest.mark.parametrize("empty_rows", [[], [0, 7], list(range(8))])
+def test_sparse_product_with_empty_rows(empty_rows):
+    """The sparse first product (rows summed as weighted bags of gene rows) equals the dense
+    product, value and weight gradient, also with cells that hold no stored value (first, last
+    or all rows of the batch).
+    """
+    from orca_sc._train import _csr_tensor
+    from orca_sc.module import _SparseMatmul
+
+    m = sp.random(8, 30, density=0.3, format="csr", dtype=np.float32, random_state=0)
+    m = m.tolil()
+    m[empty_rows, :] = 0
+    m = m.tocsr()
+    m.eliminate_zeros()
+    w = torch.randn(30, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    g = torch.randn(8, 5, generator=torch.Generator().manual_seed(1))
+    out = _SparseMatmul.apply(_csr_tensor(m), _csr_tensor(m.T.tocsr()), w)
+    (out * g).sum().backward()
+    dense = torch.from_numpy(m.toarray())
+    torch.testing.assert_close(out, dense @ w.detach())
+    torch.testing.assert_close(w.grad, dense.T @ g)
+    assert not out[empty_rows].any()
+
+
 def test_auto_layout_follows_the_share_of_non_zeros():
     a = orca_sc.datasets.simulate(300, 200, 3, library_size=3000, seed=0)
     X = log_normalize(a.X.tocsr(), 1e4)
