@@ -132,6 +132,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
     )
     pred = model.predict_cells(cells, comm)
     layout = cells.layout
+    density = cells.X.nnz / max(1, cells.shape[0] * cells.shape[1])
     del cells  # the training matrix on the device
     names, merged, order = _name(data, pred.head, found.n_heads, cfg)
     model.head_names = names
@@ -176,6 +177,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
             "discovery_seconds": t2 - t1,
             "device": str(device),
             "layout": layout,
+            "density": density,  # share of non-zeros of the training matrix
             "processes": comm.world,
         },
         "seed": cfg.seed,

@@ -412,6 +412,7 @@ def test_same_seed_same_result_with_two_threads():
             q = query.copy()
             orca_sc.tl.annotate(q, ref, labels_key="cell_type", **FAST)
             assert q.uns["orca"]["training"]["layout"] == "sparse"
+            assert 0 < q.uns["orca"]["training"]["density"] <= 0.2  # SPARSE_MAX_DENSITY
             runs.append(q.obsm["X_orca"].copy())
     finally:
         torch.set_num_threads(threads)
