@@ -31,16 +31,16 @@ def flops_per_cell_epoch(g: float, h1: int, h2: int, k: int, batch: int, unl_fra
     """FLOPs one cell costs per epoch of ORCA's full objective.
 
     ``g``: the first layer's inputs multiplied per cell: the number of genes, or on the sparse
-    layout the stored values per cell. Two forward passes (two dropout views):
-    ``2 (g h1 + h1 h2 + h2 K)`` each; the backward pass is ~2x the forward except the first
-    layer, which needs no gradient w.r.t. its input (1x); pair selection: a ``B x B x h2``
-    similarity per batch, i.e. ``2 B h2`` per cell; the uncertainty pass: one forward pass over
-    the unlabelled cells.
+    layout the stored values per cell. The first layer runs once for both dropout views (it
+    comes before the first dropout): ``2 g h1`` forward and ``2 g h1`` for its weight gradient
+    (no gradient w.r.t. its input). The rest runs per view: ``2 (h1 h2 + h2 K)`` forward and
+    twice that backward. Pair selection: a ``B x B x h2`` similarity per batch, i.e. ``2 B h2``
+    per cell; the uncertainty pass: one forward pass over the unlabelled cells.
     """
-    fwd = 2 * (g * h1 + h1 * h2 + h2 * k)
-    bwd = 2 * g * h1 + 2 * 2 * (h1 * h2 + h2 * k)
+    first = 2 * g * h1
+    rest = 2 * (h1 * h2 + h2 * k)
     pairs = 2 * batch * h2
-    return 2 * (fwd + bwd) + pairs + unl_frac * fwd
+    return 2 * first + 2 * (rest + 2 * rest) + pairs + unl_frac * (first + rest)
 
 
 def simulated_open_world(n: int, n_genes: int, seed: int = 0, library_size: float = 3000.0):
