@@ -131,8 +131,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig):
         history + history_ow,
     )
     pred = model.predict_cells(cells, comm)
-    layout = cells.layout
-    density = cells.X.nnz / max(1, cells.shape[0] * cells.shape[1])
+    layout, density = cells.layout, cells.density
     del cells  # the training matrix on the device
     names, merged, order = _name(data, pred.head, found.n_heads, cfg)
     model.head_names = names

@@ -119,6 +119,7 @@ class CellMatrix:
             X = X.astype(np.float32)
         self.X = X
         self.shape = X.shape
+        self.density = X.nnz / max(1, X.shape[0] * X.shape[1])  # share of non-zeros
         self.device = device
         self.domain_np = np.asarray(domain, dtype=np.int64)
         self.scale_np = np.asarray(scale, dtype=np.float32)
@@ -145,9 +146,7 @@ class CellMatrix:
                 raise ConfigError("layout", layout, f"one of {allowed} on {kind}")
             return layout
         if kind == "cpu":
-            n, g = self.shape
-            density = self.X.nnz / max(1, n * g)
-            return "sparse" if density <= SPARSE_MAX_DENSITY else "dense"
+            return "sparse" if self.density <= SPARSE_MAX_DENSITY else "dense"
         if kind == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             need = self.shape[0] * self.shape[1] * 4

@@ -68,6 +68,17 @@ def _one_step(data, cfg, comm, layout="dense", n=300, sizes=None):
     return float(loss[0].detach()), grads, stats
 
 
+def _step_diff(step_d, step_s):
+    """A distributed step against the single process's: both losses, and the relative
+    differences of the gradient and of the running statistics.
+    """
+    return {
+        "loss": [step_d[0], step_s[0]],
+        "grad_rel_diff": _rel(step_d[1], step_s[1]),
+        "running_stats_rel_diff": _rel(step_d[2], step_s[2]),
+    }
+
+
 def _rel(a: dict, b: dict) -> float:
     """Largest difference over the tensors of ``a`` and ``b``, relative to their largest value
     (per tensor it would not do: the biases before a BatchNorm have a gradient of zero, which
@@ -142,14 +153,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
         "sparse_step_loss": [sparse_d[0], sparse_s[0]],
         "sparse_step_grad_rel_diff": _rel(sparse_d[1], sparse_s[1]),
         "sparse_vs_dense_grad_rel_diff": _rel(sparse_s[1], step_s[1]),
-        "empty_rank_step": {
-            k: {
-                "loss": [d[0], empty_s[k.split("_")[0]][0]],
-                "grad_rel_diff": _rel(d[1], empty_s[k.split("_")[0]][1]),
-                "running_stats_rel_diff": _rel(d[2], empty_s[k.split("_")[0]][2]),
-            }
-            for k, d in empty_d.items()
-        },
+        "empty_rank_step": {k: _step_diff(d, empty_s[k.split("_")[0]]) for k, d in empty_d.items()},
         "warmup_steps_per_epoch": steps,
         "warmup_loss_distributed": loss_d,
         "warmup_loss_single": loss_s,

@@ -170,12 +170,18 @@ def _sim_task(**kw):
     return make_sim_task(SimSetting("t", **{"n_genes": 300, **kw}), seed=0)
 
 
-def _run(task, **config):
+def _annotated(task, **config):
+    """The task's scores and its annotated query."""
     from orca_sc.benchmark import annotate_task, score
 
     q, rows = annotate_task(task, 0, **config)
     pred = q.obs["orca_label"].astype(str).to_numpy()[rows]
-    return score(task.truth, pred, task.seen, True), q.uns["orca"]
+    return score(task.truth, pred, task.seen, True), q
+
+
+def _run(task, **config):
+    r, q = _annotated(task, **config)
+    return r, q.uns["orca"]
 
 
 def test_few_labels_are_flagged_and_calibration_keeps_known_types_known():
@@ -321,13 +327,10 @@ def test_self_check_reports_in_uns_and_leaves_the_annotation_alone(monkeypatch, 
     """
     import anndata as ad
 
-    from orca_sc.benchmark import annotate_task, score
-
     n_labelled = _count_warmup_labels(monkeypatch)
     task = _sim_task(n_ref=600, n_query=400)
     off, u_off = _run(task)
-    q, rows = annotate_task(task, 0, self_check=True)
-    on = score(task.truth, q.obs["orca_label"].astype(str).to_numpy()[rows], task.seen, True)
+    on, q = _annotated(task, self_check=True)
     u = q.uns["orca"]
     assert n_labelled[1] == n_labelled[0] and n_labelled[2] < n_labelled[0]
     assert on == off
