@@ -1,6 +1,6 @@
 """``orca-sc vision pretrain | train | evaluate``: the paper's image benchmarks from the shell.
 
-Registered on the ``orca-sc`` group by :mod:`orca_sc.cli`; torch and :mod:`orca_sc.vision` are
+Added to the ``orca-sc`` group by :mod:`orca_sc.cli`; torch and :mod:`orca_sc.vision` are
 imported only when a command runs.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .cli import CliError, _cli_logging, _Command, _errors, _Group, _Outputs
+from ._cli_common import CliError, Command, Group, Outputs, cli_logging, errors
 
 _DATASET_HELP = "cifar10, cifar100, imagenet100 (with --data-dir), digits or npz:PATH."
 _ARCHS = ("small", "resnet18", "resnet50")
@@ -59,7 +59,7 @@ def _claim(
     paths, checked before any work by the annotate command's rules (not empty, not a directory,
     not an input, folder present and writable).
     """
-    outs = _Outputs(overwrite=True, inputs=[p for p in inputs if p])
+    outs = Outputs(overwrite=True, inputs=[p for p in inputs if p])
     out = outs.claim(output, "Checkpoint") if output is not None else None
     return out, (outs.claim(report, "Report") if report is not None else None)
 
@@ -102,7 +102,7 @@ def _write_report(path: Path, dataset: str, config: dict, scores: dict, title: s
     write_report(pd.DataFrame([row | scores]), path, title, notes)
 
 
-@click.group(cls=_Group)
+@click.group(cls=Group)
 def vision() -> None:
     """ORCA on images: the paper's CIFAR-10/100 and ImageNet-100 benchmarks.
 
@@ -114,7 +114,7 @@ def vision() -> None:
     """
 
 
-@vision.command("pretrain", cls=_Command)
+@vision.command("pretrain", cls=Command)
 @_common
 @click.option("--lr", type=float, default=1e-3, show_default=True, help="Adam learning rate.")
 @click.option("--temperature", type=float, default=0.5, show_default=True, help="NT-Xent τ.")
@@ -122,7 +122,7 @@ def vision() -> None:
 def pretrain(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, device, amp,
              workers, output, resume, quiet, lr, temperature):  # fmt: skip
     """SimCLR pretraining of a backbone on all training images (labelled or not)."""
-    with _errors(ctx), _cli_logging(quiet):
+    with errors(ctx), cli_logging(quiet):
         out, _ = _claim(output, None, [])
         from .vision import PretrainConfig, preset, pretrain_simclr
 
@@ -148,7 +148,7 @@ def pretrain(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, 
     )
 
 
-@vision.command("train", cls=_Command)
+@vision.command("train", cls=Command)
 @_common
 @click.option("--pretrained", default=None, help="SimCLR checkpoint to start the backbone from.")
 @click.option("--lr", type=float, default=None, help="SGD learning rate (default 0.1).")
@@ -178,7 +178,7 @@ def train(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, dev
           output, resume, quiet, pretrained, lr, milestones, weight_decay, margin, fixed_margin,
           head_multiplier, seen_fraction, labelled_fraction, freeze, report):  # fmt: skip
     """ORCA training with the paper's open-world split, metrics after every epoch."""
-    with _errors(ctx), _cli_logging(quiet):
+    with errors(ctx), cli_logging(quiet):
         out, report_path = _claim(output, report, [pretrained])
         from .vision import METHOD_NAMES, preset, train_orca
 
@@ -215,7 +215,7 @@ def train(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, dev
     click.echo(f"Wrote {out} and {out}.json" + (f", {report_path}" if report_path else ""))
 
 
-@vision.command("evaluate", cls=_Command)
+@vision.command("evaluate", cls=Command)
 @click.argument("checkpoint", metavar="CHECKPOINT.pt")
 @click.option("--dataset", default=None, help="Default: the checkpoint's dataset.")
 @click.option("--data-dir", default=None, help="ImageNet-100 root.")
@@ -226,7 +226,7 @@ def train(ctx, dataset, data_dir, cache_dir, arch, epochs, batch_size, seed, dev
 @click.pass_context
 def evaluate(ctx, checkpoint, dataset, data_dir, cache_dir, device, report, quiet):
     """Score an ORCA checkpoint on the unlabelled training images and the test split."""
-    with _errors(ctx), _cli_logging(quiet):
+    with errors(ctx), cli_logging(quiet):
         _, report_path = _claim(None, report, [checkpoint])
         from ._train import resolve_device
         from .vision import load_orca, open_world_split, score

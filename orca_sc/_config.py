@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 MarginMode = Literal["adaptive", "fixed", "zero"]
 AlignMode = Literal["centroid", "standardize", "none"]
@@ -21,117 +24,70 @@ HEAD_SCALE: float = 10.0
 
 @dataclass(frozen=True)
 class DiscoveryConfig:
-    """Every rule of the ``discover`` stage (:func:`orca_sc._discover.discover`): which unlabelled
-    cells form candidate novel clusters after the warm-up, how many novel types there are, and
-    which novel clusters are reported as known types. Saved with the model; each field names the
-    measurement behind its default ("sim" = :func:`orca_sc.datasets.simulate`; the real tasks are
-    those of ``orca-sc benchmark``).
+    """Every rule of the ``discover`` stage (:mod:`orca_sc._discover`): which unlabelled cells
+    form candidate novel clusters after the warm-up, how many novel types there are, and which
+    novel clusters are reported as known types. Saved with the model; the measurement behind
+    each default is in ``docs/discovery.md``.
 
-    Candidate clusters
-    ------------------
+    Attributes
+    ----------
     ood_quantile
-        An unlabelled cell is out-of-distribution when its best cosine to a seen head is below
-        this quantile of the labelled training cells' (those the warm-up fitted) ...
-    ood_max_rate, calibration_fraction, calibration_max_cells
-        ... but, with ``calibration_fraction > 0``, never above the ``ood_max_rate`` quantile of
-        labelled cells held out of the warm-up (that share of each seen class, at most
-        ``calibration_max_cells`` in all; every class keeps a training cell): a known-type cell
-        the net has not seen is then called out-of-distribution at most that often (split
-        conformal). On the cells it fitted the net is over-confident, the more so the fewer the
-        labels: the in-sample threshold called 4-25% of held-out known cells
-        out-of-distribution on the shared real tasks, 45-71% with few labels. With
-        ``calibration_fraction=0.2`` the development suite's few-label corners improve (5%
-        labelled: known-type cells called novel 47% -> 8%; 200-cell reference: 17% -> 2%) but
-        the real tasks lose (the warm-up trains on 80% of the labels: PBMC cross-technology
-        loses its novel B cluster at one seed, MCA and worm novel accuracy -4 to -5 points), so
-        it is off by default (``0``: every labelled cell trains and the threshold is in-sample).
+        An unlabelled cell is out-of-distribution below this quantile of the labelled cells' best seen-head cosine.
+    ood_max_rate
+        With calibration: the share of unseen known-type cells that may be called out-of-distribution.
+    calibration_fraction
+        Share of each seen class's labelled cells held out of the warm-up to calibrate the threshold (0: none).
+    calibration_max_cells
+        At most this many labelled cells are held out for calibration.
     calibration_probe
-        With ``calibration_fraction > 0``: leave the held-out cells out of a second, probe
-        warm-up instead of the main one, and cap the main warm-up's threshold at the probe's
-        calibrated one (cross-fitting, :func:`orca_sc._discover.probe_threshold`): every label
-        trains the model, at the cost of one more warm-up.
-    self_check, self_check_types, self_check_known
-        Run a self-check on the reference (DTC's probe classes): hide ``self_check_types`` of
-        the known types (at least one, each with at least ``n_neighbors`` labelled cells; two
-        stay known) and ``self_check_known`` of every other type's labelled cells (as a query
-        batch of their own where the real query is one), train a second warm-up without them
-        and run these rules; report
-        how many hidden-type cells they call novel, how many held-out known-type cells, and how
-        the hidden types are clustered (``uns['orca']['self_check']``). It measures the rules on
-        the data at hand at the cost of one more warm-up and does not change the annotation.
+        Hold them out of a second, probe warm-up instead, which caps the main threshold (cross-fitting).
+    self_check
+        Hide some known types, run these rules on them and report how they did (``uns['orca']['self_check']``).
+    self_check_types
+        Share of the known types hidden by the self-check.
+    self_check_known
+        Share of every other type's labelled cells held out by the self-check.
     resolution
-        Leiden resolution of the candidate clusters, or ``"auto"``: the value of
-        ``resolution_grid`` at which Leiden clusters of the labelled cells best match their
-        labels (ARI), so novel types are cut as finely as the reference's. It only acts where
-        labelled and unlabelled cells share a batch; there (development suite's protocol tasks,
-        3 seeds) fixed 0.5 instead: worm novel 0.775 -> 0.669, pbmc68k 0.670 -> 0.648, MCA
-        0.819 -> 0.841; mean novel 0.907 -> 0.894, all 0.912 -> 0.903.
-    resolution_grid, fallback_resolution, calibration_cells
-        The resolutions tried by ``"auto"``; the one used when it cannot be calibrated (fewer
-        than two labelled classes, or no labelled cell shares a batch with unlabelled ones); at
-        most this many labelled cells are clustered to calibrate.
-    min_cluster_cells, min_cluster_fraction
-        Smallest candidate: ``max(min_cluster_cells, min_cluster_fraction * n_unlabelled)``
-        cells; smaller groups are not reported as novel types.
+        Leiden resolution of the candidate clusters, or ``"auto"``: the one that best recovers the labels.
+    resolution_grid
+        The resolutions ``"auto"`` tries.
+    fallback_resolution
+        The resolution used where ``"auto"`` cannot be calibrated.
+    calibration_cells
+        At most this many labelled cells are clustered to calibrate the resolution.
+    min_cluster_cells
+        Smallest candidate cluster, in cells ...
+    min_cluster_fraction
+        ... or as a share of the unlabelled cells, whichever is larger.
     n_neighbors
-        Neighbours of the kNN graphs (Leiden, labelled neighbourhoods, cluster cores).
+        Neighbours of every kNN graph here (Leiden, labelled neighbourhoods, cluster cores).
     n_pcs
-        Principal components of the aligned expression used for every graph here.
+        Principal components of the aligned expression behind those graphs.
     max_cells
         At most this many cells (a random subset) are clustered.
-
-    Labels as evidence (batches where labelled and unlabelled cells share a batch)
-    --------------------------------------------------------------------------------
-    support_fraction, support_min
-        An unlabelled cell with at least ``support_fraction`` of the labelled fraction expected
-        around a known-type cell, and at least ``support_min`` labelled neighbours, is supported
-        by labels and never a candidate (development suite's protocol tasks, 3 seeds, without
-        it: mean seen 0.894 -> 0.846, pbmc68k 0.777 -> 0.582, 20% labelled 0.998 -> 0.910;
-        known-type cells called novel 9.1% -> 14.8%).
+    support_fraction
+        An unlabelled cell with this share of the expected labelled neighbours is of a known type ...
+    support_min
+        ... and at least this many labelled neighbours.
     desert_alpha
-        One-sided binomial level under which a cell has too few labelled neighbours for a known
-        type: a label desert, a candidate however well a seen head scores it (development
-        suite's protocol tasks, 3 seeds, without it: all-class MCA 0.829 -> 0.701, worm 0.848
-        -> 0.782, pbmc68k 0.681 -> 0.659; novel subtypes nested in seen types, novel-type cells
-        called novel 92.7% -> 56.0%; seen accuracy rises, pbmc68k 0.776 -> 0.819).
+        Binomial level below which a cell has too few labelled neighbours for a known type (a label desert).
     segregated_support
-        A batch whose unlabelled cells are supported less often than this was not labelled at
-        random (a reference and a query concatenated without ``batch_key``): no deserts there,
-        and a warning. No development-suite task is labelled that way, so it changes none; it
-        guards that misuse (tested).
-
-    Batches without labelled cells (a separate query)
-    -------------------------------------------------
-    query_resolution, query_min_fraction, query_min_enrichment
-        The whole query batch is clustered at ``query_resolution``; a cluster is a candidate
-        when at least ``query_min_fraction`` of its cells, or ``query_min_enrichment`` times the
-        batch's share, are out-of-distribution. Development suite's separate-query tasks, 3
-        seeds, with the query's out-of-distribution cells clustered like any other instead: TM
-        kidney -> marrow novel 0.774 -> 0.627, PBMC Drop-seq -> inDrops all 0.965 -> 0.892,
-        inDrops -> Drop-seq seen 0.897 -> 0.821; mean over the 22 tasks all 0.911 -> 0.898,
-        error of the number of novel clusters 1.06 -> 1.47; TM marrow -> kidney and the 1,000 +
-        1,000-cell simulation gain (novel 0.742 -> 0.948, 0.765 -> 0.874).
-
-    Anchors and merging
-    -------------------
-    core_min_agree, core_min_fraction
-        A candidate cell is at its cluster's core when at least ``core_min_agree`` of its
-        neighbours are in the cluster; a cluster with less than ``core_min_fraction`` core cells
-        is incoherent and not anchored. Whole development suite, 3 seeds, with almost no anchor
-        (``core_min_agree = core_min_fraction = 1``: only clusters whose every cell has all its
-        neighbours inside): mean novel 0.889 -> 0.804, all 0.911 -> 0.865
-        (MCA novel 0.819 -> 0.755, TM kidney -> marrow 0.774 -> 0.651, 10 novel types 0.950 ->
-        0.581); Baron mouse 2 -> 1 alone gains (novel 0.746 -> 0.950).
+        A batch whose unlabelled cells are supported less often than this was not labelled at random.
+    query_resolution
+        Leiden resolution of a batch without labelled cells (a separate query).
+    query_min_fraction
+        A query cluster is a candidate when this share of its cells is out-of-distribution ...
+    query_min_enrichment
+        ... or this many times the batch's share.
+    core_min_agree
+        A candidate cell is at its cluster's core when this share of its neighbours is in the cluster.
+    core_min_fraction
+        A cluster with a smaller share of core cells is not anchored.
     merge_threshold
-        A novel cluster found in a batch without labelled cells of a known type is reported as
-        that type when their within-batch marker signatures correlate at least this much
-        (closed-world baron mouse 2 -> 1: 6.4% -> 0.9% of known cells called novel; whole
-        development suite, 3 seeds, without it: mean seen 0.894 -> 0.862, baron 1 -> 2 0.939 ->
-        0.716, 200-cell reference 0.826 -> 0.312, novel accuracy unchanged). ``None`` keeps
-        every novel cluster.
+        A novel cluster whose marker signature correlates this much with a known type of another batch takes its name (``None``: never).
     no_warmup_rel_threshold
-        Without a warm-up (``warmup_epochs=0``) the number of novel types is the number of
-        Leiden clusters of all cells whose labelled fraction is below this times the overall one.
+        Without a warm-up: clusters with a labelled share below this times the overall one count as novel.
+
     """
 
     ood_quantile: float = 0.01
@@ -215,10 +171,7 @@ class DiscoveryConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DiscoveryConfig:
-        """Inverse of ``to_dict``; unknown keys raise. Options of rules since removed (see
-        :data:`RETIRED_DISCOVERY_KEYS`) are dropped: a model file written before still loads.
-        """
-        d = {k: v for k, v in d.items() if k not in RETIRED_DISCOVERY_KEYS}
+        """Inverse of ``to_dict``; unknown keys raise."""
         _check_keys(cls, d)
         return cls(**d)
 
@@ -233,114 +186,80 @@ DISCOVERY_FIELDS = frozenset(f.name for f in dataclasses.fields(DiscoveryConfig)
 
 @dataclass(frozen=True)
 class OrcaConfig:
-    """Every option of an ORCA run.
+    """Every option of an ORCA run (the keywords of :func:`orca_sc.tl.annotate`; the reasons
+    for the defaults are in ``docs/method.md``).
 
-    Data preparation
-    ----------------
+    Attributes
+    ----------
     n_genes
-        Number of highly variable genes (computed on reference and query together, batch-aware);
-        ``None`` keeps every shared gene.
+        Highly variable genes, chosen on reference and query together (``None``: every shared gene).
     layer
         Read expression from ``adata.layers[layer]`` instead of ``.X``.
     batch_key
-        ``obs`` column with batches; used for batch-aware gene selection and alignment. Without it the
-        reference and the query are the two batches (or there is a single batch).
+        ``obs`` column with batches, for gene selection and alignment (default: reference and query).
     unlabeled_category
-        Label values that mark a cell as unlabeled (besides NaN).
+        Label values that mean "unlabelled" (besides NaN).
     min_shared_genes
-        Fewer genes shared between reference and query raise an error.
+        Fewer genes shared by reference and query is an error.
     target_sum
         Counts are normalised to this total per cell, then ``log1p``.
     alignment
-        How query batches are brought onto the reference before training: ``"centroid"`` (default)
-        shifts every non-reference batch by the mean offset between its cells and the reference
-        class centroids they mutually match, which ignores cells of novel types and so is robust to
-        composition differences; ``"standardize"`` z-scores each gene within each batch;
-        ``"none"`` leaves the data as is.
-
-    Model
-    -----
+        ``"centroid"`` shifts each batch onto the reference's class centroids, ``"standardize"`` z-scores each gene per batch, ``"none"``.
     hidden_dims
-        Sizes of the two fully connected layers of the backbone; the second is the embedding.
+        Sizes of the backbone's two fully connected layers; the second is the embedding.
     dropout
-        Dropout probability after each layer (the second forward pass of the pairwise loss sees a
-        different dropout mask).
+        Dropout probability after each layer.
     n_novel
-        Number of novel heads: an int, or ``"auto"`` to estimate the number of novel types from the
-        data: the number of candidate novel clusters found after the warm-up.
+        Number of novel heads, or ``"auto"``: one per candidate novel cluster found after the warm-up.
     discovery
-        A :class:`DiscoveryConfig`: every rule that decides candidate novel clusters, the number
-        of novel types and the merging of clusters back into known types (the ``discover`` stage,
-        :mod:`orca_sc._discover`). Its fields may also be given to ``annotate`` as keywords.
-
-    Training (paper Eq. 1–6)
-    ------------------------
-    epochs, batch_size, lr, weight_decay
-        Adam with ``lr`` (at most 1) and ``weight_decay``; an epoch is one pass over all cells.
+        A :class:`DiscoveryConfig`; its fields may also be given to ``annotate`` as keywords.
+    epochs
+        Epochs of training (warm-up included); an epoch is one pass over all cells.
+    batch_size
+        Cells per mini-batch.
+    lr
+        Adam's learning rate (at most 1).
+    weight_decay
+        Adam's weight decay.
     min_steps
-        Small data trains for at least this many optimiser steps (epochs are added), so that a
-        500-cell query gets as much training as a large atlas.
+        Small data trains for at least this many optimiser steps (epochs are added).
     warmup_epochs
-        Epochs of supervised-only training (labelled cells) before the full objective; anchors the
-        query's known types to their heads before the pairwise term starts forming clusters.
-        Must be smaller than ``epochs``; ``annotate(epochs=N)`` with ``N`` at most the warm-up
-        and no ``warmup_epochs`` given shortens the warm-up to ``N - 1`` epochs.
-    anchor_epochs, anchor_weight
-        For ``anchor_epochs`` epochs of the full objective right after the novel heads are added,
-        the core cells of every coherent candidate novel cluster (see
-    :func:`orca_sc._discover.cluster_cores`) are pulled towards their cluster's head by a
-        cross-entropy term of weight ``anchor_weight``. The warmed-up embedding (fitted to the
-        seen classes only) maps different novel types close together, so head prototypes alone
-        cannot tell them apart: without the anchor, seen heads near a novel type absorb it in the
-        first epochs and never let go (measured on 20k simulated cells: novel accuracy 0.69
-        without, 1.00 with). Afterwards the ORCA objective refines the clusters freely.
-        ``anchor_epochs=0`` switches it off.
-    eta1, eta2, lam
-        Weights of the pairwise term, the entropy regulariser and the uncertainty margin.
+        Supervised-only epochs before the novel heads are added (smaller than ``epochs``).
+    anchor_epochs
+        Epochs after the warm-up in which candidate clusters' core cells are pulled to their heads ...
+    anchor_weight
+        ... with this weight of the anchor cross-entropy.
+    eta1
+        Weight of the pairwise term (paper Eq. 1).
+    eta2
+        Weight of the entropy regulariser (paper Eq. 1).
+    lam
+        The adaptive margin is ``lam`` times the unlabelled cells' mean uncertainty (paper Eq. 4).
     margin
-        ``"adaptive"``: margin = ``min(lam * u, max_margin)`` with ``u`` the mean ``1 - max softmax``
-        over unlabelled cells, re-estimated in eval mode before every epoch; ``"fixed"``: the
-        constant ``fixed_margin`` (ORCA-FNM); ``"zero"``: plain cross-entropy (ORCA-ZM).
-    supervised, regularizer
-        Switch the supervised term and the entropy regulariser off for ablations.
+        ``"adaptive"`` (ORCA), ``"fixed"`` (ORCA-FNM, ``fixed_margin``) or ``"zero"`` (ORCA-ZM).
+    fixed_margin
+        The margin of ``margin="fixed"``.
+    max_margin
+        Upper bound of the adaptive margin.
+    supervised
+        Keep the supervised term (off for ablations).
+    regularizer
+        Keep the entropy regulariser (off for ablations).
     prior
-        Target of the regulariser (paper Eq. 5, ``KL(mean prediction || prior)``): ``"uniform"``
-        is the paper's maximum-entropy choice; ``"data"`` (default) gives each seen head its
-        labelled-class frequency and each novel head the size of its candidate cluster, so that
-        a large query type is not split to fill the head of a rare known type. Used when novel
-        heads are initialised after a warm-up; otherwise uniform.
-    pair_space, pair_pcs
-        Where an unlabelled cell's pairwise partner (paper Eq. 4: its most similar cell in the
-        mini-batch) is looked for: ``"both"`` (default), the cell with the highest mean of the
-        cosine similarities in the first ``pair_pcs`` principal components of the aligned
-        expression (fixed for the whole run) and in the net's current embedding; ``"pca"``, the
-        PCA alone; ``"embedding"``, the net's embedding alone, as in the paper. The paper's image
-        models start from a self-supervised backbone whose features already group novel classes;
-        an MLP trained on the seen classes maps cells of different novel types close together,
-        so its neighbours alone pair them up (simulated 10 types, 5 novel, 5,000 cells, seeds
-        0/1: novel accuracy 0.92/0.87 with ``"embedding"``, 1.00/1.00 with ``"pca"``, 0.99/1.00
-        with ``"both"``). The PCA alone fails the other way: fitted to all cells, it resolves
-        small types poorly, and PCA neighbours pair cells of different small types (simulated
-        50 types, 25 novel, 30,000 cells, seeds 0/1, ``mutual_pairs=0``: seen accuracy
-        0.80/0.83 with ``"pca"``, 0.88/0.90 with ``"both"``; see the changelog for the real
-        tasks).
+        Target of the regulariser: ``"data"`` (estimated class sizes) or ``"uniform"`` (the paper).
+    pair_space
+        Where unlabelled cells' pair partners are found: ``"both"``, ``"pca"`` or ``"embedding"`` (the paper).
+    pair_pcs
+        Principal components of that PCA.
     mutual_pairs
-        An unlabelled cell's nearest neighbour in the mini-batch is its partner only when the
-        cell is also among the neighbour's ``mutual_pairs`` nearest cells of the batch;
-        otherwise the cell is paired with itself (its two dropout views must agree). ``0``
-        pairs every cell with its nearest neighbour, as in the paper. A type with a few hundred
-        cells in an atlas has one or two cells in a batch of 512, rarely each other's nearest
-        neighbours, so the paper's rule pairs them with cells of other types and the pairwise
-        term erases what the supervised term taught about small seen types (simulated 50 types,
-        25 novel, 30,000 cells, seeds 0/1: seen accuracy 0.88/0.90 with ``0``, 0.93/0.94 with
-        ``3``; seen types under 300 cells 0.03 vs 0.38 at seed 0). A cell among many of its own
-        type has closer cells of its own than a stranger does, so its pairs are kept.
+        A nearest neighbour is a partner only if the cell is among its this many nearest (0: the paper's rule).
     device
-        ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"mps"``.
+        ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``.
     seed
         Seeds every random choice; same seed and device give identical labels.
     progress
         Show a progress bar on stderr.
+
     """
 
     # data preparation
@@ -461,15 +380,8 @@ class OrcaConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OrcaConfig:
-        """Inverse of :meth:`to_dict`; unknown keys raise. Files written before 0.2 kept three
-        discovery options at the top level (``resolution``, ``hidden_novel``,
-        ``merge_threshold``); they are read into ``discovery`` (``hidden_novel``, since removed,
-        is dropped there).
-        """
+        """Inverse of :meth:`to_dict`; unknown keys raise."""
         d = dict(d)
-        legacy = {k: d.pop(k) for k in _LEGACY_DISCOVERY_KEYS if k in d}
-        if legacy:
-            d["discovery"] = {**d.get("discovery", {}), **legacy}
         _check_keys(cls, d)
         return cls(**d)
 
@@ -506,15 +418,6 @@ def _check_keys(cls: type, d: dict[str, Any]) -> None:
         raise ValueError(msg)
 
 
-_LEGACY_DISCOVERY_KEYS = ("resolution", "hidden_novel", "merge_threshold")
-
-#: options of discovery rules that were removed (the rule did not pay on the development suite):
-#: ``hidden_novel`` (sub-clusters of a seen class without their share of labelled cells) changed
-#: only pbmc68k (3 seeds: seen 0.776 -> 0.788 without it, all 0.681 -> 0.676) and nothing on
-#: the novel subtypes nested in seen types, which label deserts find first
-RETIRED_DISCOVERY_KEYS = frozenset({"hidden_novel", "hidden_alpha", "hidden_max_rel_fraction"})
-
-
 def _invalid(name: str, value: Any, expected: str) -> None:
     raise ConfigError(name, value, expected)
 
@@ -535,3 +438,42 @@ def _is_int(x: Any) -> bool:
     import numbers
 
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+# ----------------------------------------------------------------------- options of a call
+class _Default:
+    """Marks a keyword the caller did not give (its value comes from ``config`` or the
+    defaults).
+    """
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+DEFAULT: Any = _Default()
+
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(OrcaConfig))
+
+
+def resolve_config(config: OrcaConfig | None, where: str, **options: Any) -> OrcaConfig:
+    """``config`` (or the defaults) with every option the caller gave: an explicit keyword always
+    wins over ``config``. Options are :class:`OrcaConfig` or :class:`DiscoveryConfig` fields.
+    """
+    if config is not None and not isinstance(config, OrcaConfig):
+        msg = f"{where}: config must be an orca_sc.OrcaConfig, got {type(config).__name__}."
+        raise TypeError(msg)
+    given = {k: v for k, v in options.items() if v is not DEFAULT}
+    unknown = sorted(set(given) - _CONFIG_FIELDS - DISCOVERY_FIELDS)
+    if unknown:
+        msg = (
+            f"{where} got unexpected keyword argument(s) {unknown}; options are the fields of "
+            "orca_sc.OrcaConfig and orca_sc.DiscoveryConfig."
+        )
+        raise TypeError(msg)
+    base = config if config is not None else OrcaConfig()
+    epochs = given.get("epochs")
+    if "warmup_epochs" not in given and _is_int(epochs) and 1 <= epochs <= base.warmup_epochs:
+        # a run of fewer epochs than the default warm-up: shorten the warm-up, not refuse
+        given["warmup_epochs"] = epochs - 1
+        logger.info("epochs=%d: the supervised warm-up is shortened to %d.", epochs, epochs - 1)
+    return base.replace(**given)

@@ -513,7 +513,9 @@ class Discovery:
     means in the warmed-up embedding; random for heads beyond the candidates); ``prior``: the
     regulariser's target over seen + novel heads (``None``: uniform); ``anchor_cells`` and
     ``anchor_heads``: the core cells of coherent candidates and the head (``n_seen + j``) each is
-    anchored to; ``diagnostics``: JSON-able figures for ``uns`` (see :func:`discover`).
+    anchored to; ``threshold``: the out-of-distribution threshold of the best seen-head cosine
+    (``None`` without a warm-up); ``notes``: where the data cannot support a call, for the user;
+    ``diagnostics``: JSON-able figures for ``uns`` (see :func:`discover`).
     """
 
     assign: np.ndarray
@@ -524,10 +526,18 @@ class Discovery:
     anchor_cells: np.ndarray
     anchor_heads: np.ndarray
     diagnostics: dict[str, Any] = field(default_factory=dict)
+    threshold: float | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def n_heads(self) -> int:
         return int(self.prototypes.shape[0])
+
+    def record(self) -> dict[str, Any]:
+        """What ``uns['orca']['estimate']`` holds: the diagnostics, the threshold and the notes."""
+        if self.threshold is None:  # no warm-up: no threshold, no notes
+            return dict(self.diagnostics)
+        return {**self.diagnostics, "threshold": self.threshold, "notes": list(self.notes)}
 
 
 def calibration_split(
@@ -951,10 +961,8 @@ def discover(
             if query.any()
             else ""
         ),
-        "threshold": tau,
         **tau_info,
         "n_calibration": n_cal,
-        "notes": notes,
     }
     return Discovery(
         assign=assign,
@@ -965,6 +973,8 @@ def discover(
         anchor_cells=np.flatnonzero(core),
         anchor_heads=n_seen + assign[core],
         diagnostics=diagnostics,
+        threshold=tau,
+        notes=tuple(notes),
     )
 
 

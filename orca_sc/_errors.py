@@ -45,3 +45,17 @@ def check_input_file(path: str | Path, what: str, expected: str) -> Path:
         msg = f"Cannot open {what.lower()} file {str(p)!r}: {e.strerror or type(e).__name__}."
         raise OrcaInputError(msg) from None
     return p
+
+
+def check_output_path(path: Any, what: str) -> Path | None:
+    """Refuse, before any work, a path that cannot be written (``None`` passes)."""
+    if path is None:
+        return None
+    p = Path(path)
+    if str(path) == "" or p.is_dir():
+        msg = f"{what} {str(path)!r} is a directory or empty; give a file name (e.g. model.pt)."
+        raise OrcaInputError(msg)
+    if not p.parent.is_dir():
+        msg = f"{what} {str(path)!r}: the folder {str(p.parent)!r} does not exist; create it first."
+        raise OrcaInputError(msg)
+    return p

@@ -15,8 +15,9 @@ import scipy.sparse as sp
 import torch
 
 from . import __version__
-from ._align import centroid_shift, identity, standardize
-from ._config import OrcaConfig
+from ._align import aligned_group_means, centroid_shift, identity, profile_similarity, standardize
+from ._annotation import Annotation, Naming, annotate_uns, jsonable
+from ._config import OrcaConfig, resolve_config
 from ._data import (
     ChunkReader,
     OrcaInputError,
@@ -27,7 +28,10 @@ from ._data import (
     on_disk,
     to_log_normalized,
 )
+from ._discover import match_known_types, name_heads
 from ._errors import check_input_file
+from ._pipeline import Fit
+from ._pipeline import fit as fit_run
 from ._train import CellMatrix, infer, resolve_device
 from .module import OrcaNet
 
@@ -51,12 +55,42 @@ class Prediction:
         return self.probs.max(axis=1)
 
 
+def train(
+    adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig
+) -> tuple[OrcaModel, Annotation]:
+    """Train ORCA on ``adata`` (+ ``reference``) and annotate ``adata``'s cells: the one
+    assembly behind :func:`orca_sc.tl.annotate`, :meth:`OrcaModel.fit` and ``orca-sc annotate``.
+    """
+    fit = fit_run(adata, reference, labels_key, cfg)
+    data = fit.data
+    model = OrcaModel._from_fit(fit)
+    naming = model.name_novel_heads(data, model.assign_heads(fit.probs))
+    model.calibrate_novelty(fit.embedding[data.labeled])
+    head = model.assign_heads(fit.probs)  # pruned heads excluded
+    model.similarity = _novel_similarity(fit, head, model.head_names, model.novel_names)
+    mode = "single" if reference is None else "reference"
+    out = data.output_rows
+    annotation = Annotation(
+        labels=model.labels_for(head)[out],
+        confidence=fit.probs.max(axis=1)[out],
+        novelty=model.novelty(fit.embedding[out]),
+        embedding=fit.embedding[out],
+        novel_names=model.novel_names,
+        uns=annotate_uns(fit, model, head, naming, labels_key, mode),
+    )
+    return model, annotation
+
+
 class OrcaModel:
     """A trained ORCA network with its genes, classes, configuration and preprocessing.
 
     ``head_names`` maps every head to its output label: a seen class name, a novel cluster name
     (``novel_1`` = largest) or ``None`` for heads that received no cells during training. A novel
     head whose cluster matched a known type of another batch carries that type's name.
+    ``novelty_quantiles``: 1,001 quantiles of the labelled cells' cosine to their nearest seen
+    head (:meth:`novelty`; empty for models saved before the score existed); ``similarity``:
+    see :meth:`novel_similarity`; ``alignment`` and ``estimate``: the training run's alignment
+    and discovery records; ``trained_with``: the orca_sc version that trained it.
     """
 
     def __init__(
@@ -68,7 +102,12 @@ class OrcaModel:
         head_names: list[str | None],
         centroids: np.ndarray,
         history: list[dict] | None = None,
-        extra: dict[str, Any] | None = None,
+        *,
+        novelty_quantiles: list[float] | None = None,
+        similarity: dict[str, Any] | None = None,
+        alignment: dict[str, Any] | None = None,
+        estimate: dict[str, Any] | None = None,
+        trained_with: str = "",
     ) -> None:
         self.net = net
         self.config = config
@@ -77,7 +116,11 @@ class OrcaModel:
         self.head_names = list(head_names)
         self.centroids = np.asarray(centroids, dtype=np.float32)
         self.history = history or []
-        self.extra = extra or {}
+        self.novelty_quantiles = list(novelty_quantiles or [])
+        self.similarity = similarity or {"clusters": [], "types": list(classes), "similarity": []}
+        self.alignment = alignment or {}
+        self.estimate = estimate or {}
+        self.trained_with = trained_with
 
     # ------------------------------------------------------------------------------------ fit
     @classmethod
@@ -94,11 +137,20 @@ class OrcaModel:
         the same seed), without writing anything into ``adata``; label cells with
         :meth:`predict`, keep it with :meth:`save`.
         """
-        from ._pipeline import fit, resolve_config
-
         cfg = resolve_config(config, "OrcaModel.fit()", **kwargs)
-        model, _ = fit(adata, reference, labels_key, cfg)
+        model, _ = train(adata, reference, labels_key, cfg)
         return model
+
+    @classmethod
+    def _from_fit(cls, fit: Fit) -> OrcaModel:
+        """The model of a training run, its novel heads not yet named."""
+        data, n_heads = fit.data, fit.found.n_heads
+        names = list(data.classes) + [f"_head{i}" for i in range(n_heads)]
+        return cls(
+            fit.net, fit.config, data.genes, data.classes, names, fit.centroids, fit.history,
+            alignment=jsonable(fit.transform.info), estimate=jsonable(fit.found.record()),
+            trained_with=__version__,
+        )  # fmt: skip
 
     # -------------------------------------------------------------------------------- inference
     def predict_arrays(
@@ -126,6 +178,32 @@ class OrcaModel:
         kept = np.array([n is not None for n in self.head_names])
         return np.where(kept[None, :], probs, -1.0).argmax(axis=1)
 
+    def name_novel_heads(self, data: Any, head: np.ndarray) -> Naming:
+        """Name every head from the training cells' heads ``head``: novel clusters that are a
+        known type of another batch carry its name (:func:`orca_sc._discover.match_known_types`),
+        the others are ``novel_1``, ``novel_2``, ... by size; heads without cells are pruned.
+        ``data``: the run's :class:`orca_sc._data.PreparedData`.
+        """
+        n_seen = len(self.classes)
+        n_novel = len(self.head_names) - n_seen
+        unl = ~data.labeled
+        counts = np.bincount(head[unl], minlength=n_seen + n_novel)[n_seen:]
+        pairs = []
+        threshold = self.config.discovery.merge_threshold
+        if threshold is not None and n_novel > 0:
+            clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
+            pairs = match_known_types(
+                data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold
+            )
+        self.head_names, order = name_heads(counts, self.classes, pairs)
+        merged = {
+            "cluster": [f"head_{h}" for h, _, _ in pairs],
+            "type": [self.classes[k] for _, k, _ in pairs],
+            "n_cells": [int(counts[h]) for h, _, _ in pairs],
+            "correlation": [round(r, 4) for _, _, r in pairs],
+        }
+        return Naming(merged, order)
+
     def seen_cosine(self, embedding: np.ndarray) -> np.ndarray:
         """Each cell's cosine to its nearest seen-class head, ``(n,)``, from its L2-normalised
         ``embedding`` ``(n, D)``.
@@ -140,7 +218,7 @@ class OrcaModel:
         scores cells.
         """
         cos = self.seen_cosine(embedding)
-        self.extra["seen_cosine_quantiles"] = np.quantile(cos, np.linspace(0, 1, 1001)).tolist()
+        self.novelty_quantiles = np.quantile(cos, np.linspace(0, 1, 1001)).tolist()
 
     def novelty(self, embedding: np.ndarray) -> np.ndarray:
         """Novelty score of each cell (0-1): one minus the share of labelled reference cells that
@@ -148,7 +226,7 @@ class OrcaModel:
         types score about uniformly; a cell less like any known type than almost every labelled
         cell scores near 1. NaN for models saved before the score existed.
         """
-        q = self.extra.get("seen_cosine_quantiles")
+        q = self.novelty_quantiles
         if not q:
             return np.full(embedding.shape[0], np.nan, dtype=np.float32)
         q = np.asarray(q)
@@ -176,8 +254,7 @@ class OrcaModel:
 
         ``{"clusters": [names], "types": [known types], "similarity": n_clusters x n_types}``.
         """
-        empty = {"clusters": [], "types": list(self.classes), "similarity": []}
-        return dict(self.extra.get("novel_similarity", empty))
+        return dict(self.similarity)
 
     def predict(
         self,
@@ -274,7 +351,13 @@ class OrcaModel:
             "head_names": self.head_names,
             "n_heads": len(self.head_names),
             "history": self.history,
-            "extra": self.extra,
+            "extra": {
+                "alignment": self.alignment,
+                "estimate": self.estimate,
+                "novel_similarity": self.similarity,
+                "version": self.trained_with,
+                "seen_cosine_quantiles": self.novelty_quantiles,
+            },
         }
         payload = {
             "meta": json.loads(json.dumps(meta, default=_to_builtin)),  # plain JSON types only
@@ -317,16 +400,34 @@ class OrcaModel:
             )
             raise OrcaInputError(msg)
         config, net, centroids = _check_model(payload, meta, f"Model file {str(path)!r}")
+        extra = meta.get("extra") or {}
         return cls(
-            net,
-            config,
-            meta["genes"],
-            meta["classes"],
-            meta["head_names"],
-            centroids,
-            meta.get("history"),
-            meta.get("extra"),
-        )
+            net, config, meta["genes"], meta["classes"], meta["head_names"], centroids,
+            meta.get("history"), novelty_quantiles=extra.get("seen_cosine_quantiles"),
+            similarity=extra.get("novel_similarity"), alignment=extra.get("alignment"),
+            estimate=extra.get("estimate"), trained_with=extra.get("version", ""),
+        )  # fmt: skip
+
+
+def _novel_similarity(fit: Fit, head: np.ndarray, head_names: list, novel_names: list) -> dict:
+    """Centred expression correlation of each novel cluster (its unlabelled cells) with each known
+    type (its labelled cells), both after batch alignment.
+
+    Stored as ``{"clusters": [...], "types": [...], "similarity": (n_clusters, n_types)}``: cell
+    type names may contain "/" and so cannot be keys of an h5ad group.
+    """
+    data, t = fit.data, fit.transform
+    n_seen = len(data.classes)
+    groups = np.where(data.labeled, data.labels, np.where(head >= n_seen, head, -1))
+    means = aligned_group_means(data.X, groups, len(head_names), data.domain, t.scale, t.offset)
+    known = means[:n_seen]
+    sims = profile_similarity(means[n_seen:], known, known.mean(axis=0))
+    order = [head_names.index(name) - n_seen for name in novel_names]
+    return {
+        "clusters": list(novel_names),
+        "types": list(data.classes),
+        "similarity": np.round(sims[order], 4).tolist(),
+    }
 
 
 _NOVEL_NAME = re.compile(r"novel_[0-9]+")

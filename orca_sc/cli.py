@@ -8,265 +8,27 @@ are complete, so an error or Ctrl-C leaves no partial output; input files are on
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import sys
-import warnings
-from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import click
 
 from . import __version__
+from ._cli_common import (
+    CliError,
+    Group,
+    Outputs,
+    cli_logging,
+    errors,
+    rank,
+    read_h5ad,
+    reported_by_rank0,
+    write_json,
+)
+from ._cli_vision import vision
 
 logger = logging.getLogger("orca_sc")
-
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
-
-
-class CliError(click.ClickException):
-    """A user error: printed as one ``Error: ...`` line on stderr, exit code 2."""
-
-    exit_code = EXIT_BAD_INPUT
-
-
-class _Command(click.Command):
-    """Usage errors (missing argument, bad option value) on one line, like every other error."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as e:
-            if ctx.resilient_parsing:
-                raise
-            msg = f"{e.format_message()} See 'orca-sc {ctx.info_name} --help'."
-            raise CliError(msg) from None
-
-
-class _Group(click.Group):
-    command_class = _Command
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as e:
-            if ctx.resilient_parsing:
-                raise
-            raise CliError(f"{e.format_message()} See 'orca-sc --help'.") from None
-
-    def resolve_command(self, ctx: click.Context, args: list[str]):
-        try:
-            return super().resolve_command(ctx, args)
-        except click.UsageError as e:
-            raise CliError(f"{e.format_message()} See 'orca-sc --help'.") from None
-
-
-# ------------------------------------------------------------------------------------ helpers
-@contextmanager
-def _errors(ctx: click.Context):
-    """Turn the package's input errors into one-line CLI errors (full traceback with --debug)."""
-    from ._errors import ConfigError, OrcaInputError, TrainingDivergedError
-
-    debug = ctx.find_root().params.get("debug", False)
-    try:
-        yield
-    except click.ClickException:
-        raise
-    except KeyboardInterrupt:
-        click.echo("Interrupted; no output was written.", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except ConfigError as e:
-        if debug:
-            raise
-        raise CliError(_option_message(ctx, e)) from None
-    except (OrcaInputError, ValueError, KeyError) as e:
-        if debug:
-            raise
-        raise CliError(_message(e)) from None
-    except TrainingDivergedError as e:
-        if debug:
-            raise
-        err = click.ClickException(_message(e))
-        raise err from None
-    except Exception as e:
-        if debug:
-            raise
-        msg = f"unexpected {type(e).__name__}: {_message(e)} (run 'orca-sc --debug ...' for the traceback)"
-        raise click.ClickException(msg) from None
-
-
-def _rank() -> int:
-    """The rank of this process under ``torchrun`` (0 otherwise)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-@contextmanager
-def _reported_by_rank0():
-    """Under ``torchrun`` only rank 0 reports an error (the others exit with the same status,
-    silently): every rank meets the same error.
-    """
-    try:
-        yield
-    except click.ClickException as e:
-        if _rank() != 0:
-            sys.exit(e.exit_code)
-        raise
-
-
-def _option_message(ctx: click.Context, e: Any) -> str:
-    """A :class:`~orca_sc._errors.ConfigError` in the command's own terms: the field and any
-    other field it names become the command-line options (``warmup_epochs=5`` -> ``--warmup-epochs
-    5``).
-    """
-    flags = {
-        p.name: p.opts[-1] for p in ctx.command.params if isinstance(p, click.Option) and p.name
-    }
-
-    def cli(text: str) -> str:
-        for name, flag in flags.items():
-            text = re.sub(rf"\b{name}=(\S+?)\b", rf"{flag} \1", text)
-        return text
-
-    value = e.value if isinstance(e.value, (int, float, str)) else repr(e.value)
-    name = flags.get(e.option)
-    if name is None:
-        return _message(e)
-    return " ".join(f"Invalid {name} {value}: expected {cli(e.expected)}.".split())
-
-
-def _message(e: BaseException) -> str:
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    return " ".join(str(msg).split())  # always one line
-
-
-@contextmanager
-def _cli_logging(quiet: bool, silent: bool = False):
-    """Log and warn on stderr as single lines; ``quiet`` keeps only warnings and errors,
-    ``silent`` (the ranks other than 0 under torchrun) only errors.
-    """
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.ERROR if silent else logging.WARNING if quiet else logging.INFO)
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        click.echo(f"Warning: {' '.join(str(message).split())}", err=True)
-
-    try:
-        with warnings.catch_warnings():  # restores the filters and showwarning on exit
-            # orca_sc's own warnings are for the user; third-party notices are noise here
-            warnings.simplefilter("ignore")
-            if not silent:
-                warnings.filterwarnings("default", category=UserWarning, module=r"orca_sc(\.|$)")
-            warnings.showwarning = show
-            yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-
-
-def _read_h5ad(path: str, what: str, on_disk: bool = False):
-    import anndata as ad
-
-    from ._errors import check_input_file
-
-    if on_disk:
-        from ._io import read_lazy
-
-        return read_lazy(path, what)  # its OrcaInputError is reported like any other
-
-    p = check_input_file(path, what, "an .h5ad file")
-    try:
-        adata = ad.read_h5ad(p)
-    except Exception as e:  # noqa: BLE001 - any failure to parse means an unusable file
-        msg = (
-            f"Cannot read {what} file {path!r} as h5ad ({type(e).__name__}); it is not an AnnData "
-            ".h5ad file or it is truncated/corrupt. Re-export it with adata.write_h5ad()."
-        )
-        raise CliError(msg) from None
-    return adata
-
-
-class _Outputs:
-    """Output files, checked before any work and committed together (temp file + rename)."""
-
-    def __init__(self, overwrite: bool, inputs: list[str]) -> None:
-        self.overwrite = overwrite
-        self.inputs = {Path(p).resolve() for p in inputs}
-        self.pending: list[tuple[Path, Callable[[Path], None]]] = []
-        self.claimed: dict[Path, str] = {}
-
-    def claim(self, path: str | Path, what: str) -> Path:
-        if not str(path).strip():
-            raise CliError(f"{what} path is empty; give a file name or leave the option out.")
-        p = Path(path)
-        full = p.resolve()
-        if full in self.claimed:
-            other = self.claimed[full]
-            raise CliError(
-                f"{what} and {other.lower()} are the same file {str(p)!r}; give each its own path."
-            )
-        if full in self.inputs:
-            raise CliError(
-                f"{what} {str(p)!r} is one of the input files; inputs are never modified. Choose another path."
-            )
-        if p.is_dir():
-            raise CliError(f"{what} {str(p)!r} is a directory; give a file name.")
-        if p.exists() and not self.overwrite:
-            raise CliError(
-                f"{what} {str(p)!r} already exists; pass --overwrite to replace it or choose another path."
-            )
-        parent = p.parent  # Path("x.h5ad").parent is Path(".")
-        if not parent.is_dir():
-            raise CliError(
-                f"Directory {str(parent)!r} for the {what.lower()} does not exist; create it first."
-            )
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise CliError(
-                f"Directory {str(parent)!r} is not writable; choose another location for the {what.lower()}."
-            )
-        self.claimed[full] = what
-        return p
-
-    def add(self, path: Path, write: Callable[[Path], None]) -> None:
-        self.pending.append((path, write))
-
-    def commit(self) -> None:
-        temps: list[tuple[Path, Path]] = []
-        try:
-            for path, write in self.pending:
-                tmp = path.with_name(f".{path.stem}.orca-tmp-{os.getpid()}{path.suffix}")
-                temps.append((tmp, path))
-                write(tmp)
-            for tmp, path in temps:
-                os.replace(tmp, path)
-        finally:
-            for tmp, _ in temps:
-                if tmp.exists():
-                    tmp.unlink()
-
-
-def _write_json(obj: Any) -> Callable[[Path], None]:
-    def write(path: Path) -> None:
-        path.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
-
-    return write
-
-
-def _json_default(obj: Any) -> Any:
-    import numpy as np
-
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    return str(obj)
 
 
 def _parse_n_novel(value: str) -> int | str:
@@ -342,7 +104,7 @@ def _save_results(adata, outputs, out_path, report_path, report: dict, layer, tr
     if report_path is not None:
         rep = {**report, "output": str(out_path), "summary": summary, "metrics": metrics,
                "version": __version__}  # fmt: skip
-        outputs.add(report_path, _write_json(rep))
+        outputs.add(report_path, write_json(rep))
     outputs.commit()
     return summary, metrics
 
@@ -367,7 +129,7 @@ def _check_obs_key(adata, key: str | None, what: str, option: str) -> None:
 
 
 # ----------------------------------------------------------------------------------- commands
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="orca-sc")
 @click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
 def main(debug: bool) -> None:
@@ -507,12 +269,12 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
       orca-sc annotate ref.h5ad query.h5ad --labels-key cell_type -o out.h5ad \\
           --n-novel 3 --save-model model.pt --truth-key true_type --report report.json
     """
-    from ._pipeline import DEFAULT, fit, resolve_config
-    from .tl._annotate import write_annotation
+    from ._config import DEFAULT, resolve_config
+    from .tl import annotate as tl_annotate
 
-    rank0 = _rank() == 0  # under torchrun, rank 0 logs and writes
+    rank0 = rank() == 0  # under torchrun, rank 0 logs and writes
     quiet = quiet or not rank0
-    with _reported_by_rank0(), _errors(ctx), _cli_logging(quiet, silent=not rank0):
+    with reported_by_rank0(), errors(ctx), cli_logging(quiet, silent=not rank0):
         n_novel_v = _parse_n_novel(n_novel)
         if n_genes < 0:
             raise CliError(
@@ -540,28 +302,29 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
             self_check=self_check,
         )
         _check_device(device)
-        outputs = _Outputs(overwrite, [reference, query])
+        outputs = Outputs(overwrite, [reference, query])
         out_path = outputs.claim(
             output if output is not None else _default_output(query), "Output file"
         )
         model_path = outputs.claim(save_model, "Model file") if save_model is not None else None
         report_path = outputs.claim(report, "Report file") if report is not None else None
 
-        ref = _read_h5ad(reference, "Reference", on_disk)
-        adata = _read_h5ad(query, "Query", on_disk)
+        ref = read_h5ad(reference, "Reference", on_disk)
+        adata = read_h5ad(query, "Query", on_disk)
         _check_obs_key(adata, truth_key, "query", "--truth-key")
-        model, result = fit(adata, ref, labels_key, cfg)
-        if not rank0:
-            return
-        write_annotation(adata, "orca", model, result)
-        if model_path is not None:
-            outputs.add(model_path, model.save)
-        summary, metrics = _save_results(
-            adata, outputs, out_path, report_path,
-            {"command": "annotate", "reference": reference, "query": query,
-             "n_novel": dict(adata.uns["orca"]["n_novel"])},
-            layer, truth_key,
-        )  # fmt: skip
+        try:  # the model file is staged by rank 0 and committed with the other outputs
+            tl_annotate(adata, ref, labels_key=labels_key, config=cfg,
+                        save_model=outputs.staged(model_path) if rank0 else None)  # fmt: skip
+            if not rank0:
+                return
+            summary, metrics = _save_results(
+                adata, outputs, out_path, report_path,
+                {"command": "annotate", "reference": reference, "query": query,
+                 "n_novel": dict(adata.uns["orca"]["n_novel"])},
+                layer, truth_key,
+            )  # fmt: skip
+        finally:
+            outputs.discard()
 
     _echo_summary(summary, metrics)
     click.echo(
@@ -617,7 +380,7 @@ def predict(
     from ._model import OrcaModel
     from .tl import predict as tl_predict
 
-    with _errors(ctx), _cli_logging(quiet):
+    with errors(ctx), cli_logging(quiet):
         from ._dist import launched
 
         if launched():
@@ -626,13 +389,13 @@ def predict(
                 "(torchrun is for training: 'torchrun ... -m orca_sc annotate')."
             )
         _check_device(device)
-        outputs = _Outputs(overwrite, [model, query])
+        outputs = Outputs(overwrite, [model, query])
         out_path = outputs.claim(
             output if output is not None else _default_output(query), "Output file"
         )
         report_path = outputs.claim(report, "Report file") if report is not None else None
         m = OrcaModel.load(model)
-        adata = _read_h5ad(query, "Query", on_disk)
+        adata = read_h5ad(query, "Query", on_disk)
         _check_obs_key(adata, truth_key, "query", "--truth-key")
         tl_predict(adata, m, layer=layer, batch_key=batch_key, device=device)
         n_missing = adata.uns["orca"]["n_genes_missing"]
@@ -674,12 +437,12 @@ def demo(ctx, outdir, seed, quiet):
     from ._demo import DEMO_NOVEL, run_demo, umap_figure
     from .tl import summarize
 
-    with _errors(ctx), _cli_logging(quiet):
+    with errors(ctx), cli_logging(quiet):
         d = Path(outdir)
         if d.exists() and not d.is_dir():
             raise CliError(f"--outdir {outdir!r} exists and is not a directory.")
         d.mkdir(parents=True, exist_ok=True)
-        outputs = _Outputs(True, [])
+        outputs = Outputs(True, [])
         h5 = outputs.claim(d / "pbmc68k_orca.h5ad", "Output file")
         png = outputs.claim(d / "pbmc68k_orca_umap.png", "Plot file")
         res = run_demo(seed=seed, progress=not quiet)
@@ -828,7 +591,7 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
 
     from . import benchmark as B
 
-    with _errors(ctx), _cli_logging(quiet):
+    with errors(ctx), cli_logging(quiet):
         seed_list = _csv_list(seeds, int)
         if not seed_list:
             raise CliError("--seeds must list at least one seed, e.g. --seeds 0,1,2.")
@@ -858,7 +621,7 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
         if h5ad is not None:
             if labels_key is None:
                 raise CliError("--h5ad needs --labels-key naming the cell-type column.")
-            adata = _read_h5ad(h5ad, "Benchmark")
+            adata = read_h5ad(h5ad, "Benchmark")
             name = Path(h5ad).stem
             if batch_key is not None:
                 refs = _csv_list(reference_batches)
@@ -928,13 +691,7 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
     click.echo(f"Wrote {out}/: " + ", ".join(sorted(p.name for p in paths.values())))
 
 
-def _register_vision() -> None:
-    from ._cli_vision import vision
-
-    main.add_command(vision)
-
-
-_register_vision()
+main.add_command(vision)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -19,7 +19,7 @@ import orca_sc
 from orca_sc._config import OrcaConfig
 from orca_sc._data import prepare
 from orca_sc._dist import BatchShard, Comm, init_from_env
-from orca_sc._pipeline import fit
+from orca_sc._model import train
 from orca_sc._train import CellMatrix, TrainRandom, fit_warmup, schedule
 
 
@@ -112,7 +112,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
     state_d, loss_d, steps = _training(data, cfg, comm)
     t_train = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _, ann_d = fit(query, ref, "cell_type", cfg)
+    _, ann_d = train(query, ref, "cell_type", cfg)
     t_fit = time.perf_counter() - t0
     world = comm.world
     dist.barrier()
@@ -129,7 +129,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
     empty_s = {layout: _one_step(data_s, cfg, None, layout, n=6) for layout in ("dense", "sparse")}
     state_s, loss_s, _ = _training(data_s, cfg, None)
     t0 = time.perf_counter()
-    _, ann_s = fit(query, ref, "cell_type", cfg)
+    _, ann_s = train(query, ref, "cell_type", cfg)
     t_fit_s = time.perf_counter() - t0
     param_diff = {
         k: float((state_d[k].double() - state_s[k].double()).abs().max()) for k in state_s

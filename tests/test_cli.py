@@ -409,3 +409,56 @@ def test_interrupt_leaves_no_partial_output(files, tmp_path, monkeypatch):
     assert r.exit_code == 130
     assert "Interrupted; no output was written." in r.stderr
     assert _files(tmp_path) == ["o.h5ad"] and out.read_bytes() == b"previous result"
+
+
+# --------------------------------------------------------------------------- the error policy
+@pytest.mark.parametrize("error", [ValueError("boom"), KeyError("boom"), RuntimeError("boom")])
+def test_a_bug_is_an_internal_error_not_bad_input(files, tmp_path, monkeypatch, error):
+    """An exception that is not ``OrcaInputError`` is our bug: exit 1, one line saying so and
+    how to get the traceback, nothing written; ``--debug`` re-raises it with its traceback.
+    """
+
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr("orca_sc._model.train", broken)
+    args = ["annotate", files / "ref.h5ad", files / "query.h5ad", "--labels-key", "cell_type",
+            "-o", tmp_path / "o.h5ad", "--save-model", tmp_path / "m.pt", *FAST_ARGS]  # fmt: skip
+    r = _invoke(args)
+    assert r.exit_code == 1, (r.exit_code, r.output)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: internal error"), r.stderr
+    assert f"{type(error).__name__}: " in lines[0] and "boom" in lines[0]
+    assert "bug in orca_sc" in lines[0] and "orca-sc --debug" in lines[0]
+    assert "Traceback" not in r.output and _files(tmp_path) == []
+    r = CliRunner().invoke(main, ["--debug", *map(str, args)])
+    assert r.exit_code == 1 and r.exception is error
+
+
+def test_a_failure_after_training_leaves_no_model_file(files, tmp_path, monkeypatch):
+    """The model is staged beside its target and committed with the other outputs: a failure
+    after training (here while summarising) leaves neither the model nor a temporary file.
+    """
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("summary failed")
+
+    monkeypatch.setattr("orca_sc.tl.summarize", broken)
+    r = _invoke(["annotate", files / "ref.h5ad", files / "query.h5ad", "--labels-key",
+                 "cell_type", "-o", tmp_path / "o.h5ad", "--save-model", tmp_path / "m.pt",
+                 *FAST_ARGS])  # fmt: skip
+    assert r.exit_code == 1 and "summary failed" in r.stderr
+    assert _files(tmp_path) == []
+
+
+def test_training_divergence_is_a_failed_run_with_its_message(files, tmp_path, monkeypatch):
+    from orca_sc._errors import TrainingDivergedError
+
+    def diverged(*args, **kwargs):
+        raise TrainingDivergedError("The training loss became nan in epoch 2; lower the lr.")
+
+    monkeypatch.setattr("orca_sc._model.train", diverged)
+    r = _invoke(["annotate", files / "ref.h5ad", files / "query.h5ad", "--labels-key",
+                 "cell_type", "-o", tmp_path / "o.h5ad", *FAST_ARGS])  # fmt: skip
+    assert r.exit_code == 1
+    assert r.stderr.strip() == "Error: The training loss became nan in epoch 2; lower the lr."

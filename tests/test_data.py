@@ -450,18 +450,13 @@ def test_every_discovery_field_is_validated(field, value):
         orca_sc.DiscoveryConfig(**{field: value})
 
 
-def test_discovery_config_round_trips_and_reads_old_model_configs():
+def test_discovery_config_round_trips_and_refuses_unknown_keys():
     cfg = OrcaConfig(n_genes=50).replace(merge_threshold=None, resolution=0.3)
     assert OrcaConfig.from_dict(cfg.to_dict()) == cfg
-    # models saved before 0.2 kept three discovery options at the top level
-    old = {**OrcaConfig().to_dict(), "resolution": 0.3, "hidden_novel": False}
-    del old["discovery"]
-    got = OrcaConfig.from_dict(old)
-    assert got.discovery.resolution == 0.3 and got == OrcaConfig().replace(resolution=0.3)
-    # options of removed rules (hidden_novel, 0.2 development) are dropped, not errors
-    newer = cfg.to_dict()
-    newer["discovery"] |= {"hidden_novel": True, "hidden_alpha": 1e-3}
-    assert OrcaConfig.from_dict(newer) == cfg
+    assert cfg.discovery.resolution == 0.3 and cfg.discovery.merge_threshold is None
+    # a discovery option at the top level is not an OrcaConfig field
+    with pytest.raises(ValueError, match=r"Unknown configuration keys \['resolution'\]"):
+        OrcaConfig.from_dict({**cfg.to_dict(), "resolution": 0.3})
     with pytest.raises(TypeError, match="hidden_novel"):
         orca_sc.DiscoveryConfig(hidden_novel=True)
     with pytest.raises(ValueError, match="Unknown configuration keys"):

@@ -170,7 +170,7 @@ def test_n_novel_beyond_the_cells_is_refused_before_training(monkeypatch):
 
 
 def test_short_runs_shorten_the_warm_up():
-    from orca_sc._pipeline import resolve_config
+    from orca_sc._config import resolve_config
 
     assert resolve_config(None, "t", epochs=2).warmup_epochs == 1
     assert resolve_config(None, "t", epochs=1).warmup_epochs == 0

@@ -124,7 +124,7 @@ def test_explicit_keyword_wins_over_config(small_sim):
 
 def test_scanpy_style_return_and_one_way_to_the_model(small_sim, tmp_path):
     assert orca_sc.tl.annotate(small_sim, labels_key="lab", **FAST) is None
-    with pytest.raises(TypeError, match="return_model was removed.*save_model"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['return_model'\]"):
         orca_sc.tl.annotate(small_sim, labels_key="lab", return_model=True, **FAST)
     with pytest.raises(orca_sc.OrcaInputError, match="does not exist"):
         orca_sc.tl.annotate(

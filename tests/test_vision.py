@@ -267,7 +267,9 @@ def test_imagenet100_folder_tree(tmp_path):
 # ------------------------------------------------------------------------------------ training
 @pytest.fixture(scope="module")
 def digits():
-    d = orca_sc.datasets.load("digits")  # image manifests load through orca_sc.vision
+    with pytest.raises(OrcaInputError, match=r"image dataset.*vision.load_images\('digits'\)"):
+        orca_sc.datasets.load("digits")  # the download layer knows nothing of vision
+    d = vision.load_images("digits")
     assert isinstance(d, vision.ImageData)
     return d
 

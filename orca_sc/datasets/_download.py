@@ -324,18 +324,22 @@ def load(name: str | Manifest, *, cache_dir: str | Path | None = None, progress:
     """Load a dataset listed in ``data_manifests/`` as AnnData, downloading it on first use.
 
     Datasets bundled with a dependency (``pbmc68k_reduced``) load from there. Image datasets
-    (``cifar10``, ``cifar100``, ``digits``) load as :class:`orca_sc.vision.ImageData` (see
-    :func:`orca_sc.vision.load_images`; ImageNet-100 needs its ``data_dir``). For datasets that
-    are not a single ``.h5ad`` (the Tabula Muris 2018 CSV/10x archives) use :func:`fetch`, which
-    returns the local file paths.
+    (``cifar10``, ``cifar100``, ``digits``, ``imagenet100``) are not AnnData: load them with
+    :func:`orca_sc.vision.load_images`, which fetches them through :func:`fetch`. For datasets
+    that are not a single ``.h5ad`` (the Tabula Muris 2018 CSV/10x archives) use :func:`fetch`,
+    which returns the local file paths.
     """
     import anndata as ad
 
-    m = name if isinstance(name, Manifest) else get_manifest(name)
-    if m.raw.get("kind") == "images":  # CIFAR, digits, ImageNet-100: orca_sc.vision's loader
-        from ..vision import load_images
+    from .._errors import OrcaInputError
 
-        return load_images(m.name, cache_dir=cache_dir)
+    m = name if isinstance(name, Manifest) else get_manifest(name)
+    if m.raw.get("kind") == "images":
+        msg = (
+            f"{m.name!r} is an image dataset, not AnnData; load it with "
+            f"orca_sc.vision.load_images({m.name!r})."
+        )
+        raise OrcaInputError(msg)
     if m.builtin == "scanpy.datasets.pbmc68k_reduced":
         import scanpy as sc
 

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .._config import OrcaConfig
-from .._pipeline import DEFAULT, check_output_path, fit, resolve_config
+from .._config import DEFAULT, OrcaConfig, resolve_config
+from .._errors import check_output_path
 
 
 def annotate(
@@ -38,8 +38,10 @@ def annotate(
       ``unlabeled_category`` are the query, the others the reference.
 
     The method runs as stages (:func:`orca_sc._pipeline.fit`): prepare the data, align batches,
-    a supervised warm-up, discover candidate novel clusters, the open-world fit, predict, name
-    the clusters; then this function writes the results.
+    a supervised warm-up, discover candidate novel clusters, the open-world fit; the model
+    (:func:`orca_sc._model.train`) then names the clusters and scores novelty, and this function
+    writes the results. Under ``torchrun`` every process gets the annotation and only rank 0
+    saves the model.
 
     Parameters
     ----------
@@ -131,26 +133,18 @@ def annotate(
     )
     model_path = check_output_path(save_model, "save_model")
     adata = adata.copy() if copy else adata
-    model, result = fit(adata, reference, labels_key, cfg)
-    write_annotation(adata, key_added, model, result)
-    if model_path is not None:
+    from .._dist import main_process
+    from .._model import train
+
+    model, result = train(adata, reference, labels_key, cfg)
+    write_fields(
+        adata, key_added, result.labels, result.confidence, result.novelty, result.embedding,
+        classes=model.classes, novel_names=result.novel_names,
+    )  # fmt: skip
+    adata.uns[key_added] = result.uns
+    if model_path is not None and main_process():
         model.save(model_path)
     return adata if copy else None
-
-
-def write_annotation(adata: Any, key_added: str, model: Any, result: Any) -> None:
-    """Write an :class:`orca_sc._pipeline.Annotation` into ``adata`` (``obs``, ``obsm``, ``uns``)."""
-    write_fields(
-        adata,
-        key_added,
-        result.labels,
-        result.confidence,
-        result.novelty,
-        result.embedding,
-        classes=model.classes,
-        novel_names=result.novel_names,
-    )
-    adata.uns[key_added] = result.uns
 
 
 def write_fields(

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from .. import __version__
+from .._annotation import predict_uns
 from .._model import OrcaModel
-from .._pipeline import _jsonable
 from ._annotate import write_fields
 
 
@@ -70,18 +67,5 @@ def predict(
         classes=model.classes,
         novel_names=novel,
     )
-    sizes = {n: int(np.sum(labels == n)) for n in novel}
-    adata.uns[key_added] = _jsonable(
-        {
-            "mode": "predict",
-            "params": model.config.to_dict(),
-            "seen_classes": list(model.classes),
-            "novel_cluster_sizes": {n: c for n, c in sizes.items() if c > 0},
-            "novel_similarity": model.novel_similarity(),
-            "input_scale": {"AnnData": info["input_scale"]},
-            "n_genes_missing": info["n_genes_missing"],
-            "model_version": model.extra.get("version", ""),
-            "version": __version__,
-        }
-    )
+    adata.uns[key_added] = predict_uns(model, labels, info)
     return adata if copy else None

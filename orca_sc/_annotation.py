@@ -1,0 +1,107 @@
+"""What an annotation hands back to AnnData: the per-cell arrays and the run's record
+(``uns``), laid out here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+
+
+@dataclass(frozen=True)
+class Annotation:
+    """Per-cell results for the rows of the AnnData being annotated, plus the run's record."""
+
+    labels: np.ndarray  # (n,) known type or novel cluster name
+    confidence: np.ndarray  # (n,) max softmax
+    novelty: np.ndarray  # (n,) see OrcaModel.novelty
+    embedding: np.ndarray  # (n, D)
+    novel_names: list[str]
+    uns: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How the novel heads were named: novel clusters merged into a known type of another batch
+    (column-wise: ``cluster``, ``type``, ``n_cells``, ``correlation``, so that it can be stored
+    in an h5ad file) and the novel heads in name order.
+    """
+
+    merged: dict[str, list]
+    order: list[int]
+
+
+def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_key: str,
+                 mode: str) -> dict[str, Any]:  # fmt: skip
+    """``uns['orca']`` of :func:`orca_sc.tl.annotate` (every field is listed in its docstring).
+
+    ``fit``: the :class:`orca_sc._pipeline.Fit`; ``model``: its named
+    :class:`orca_sc.OrcaModel`; ``head``: every cell's head; ``mode``: ``"single"`` or
+    ``"reference"``.
+    """
+    data, cfg, found, t = fit.data, fit.config, fit.found, fit.timings
+    names = model.head_names
+    counts = np.bincount(head[~data.labeled], minlength=len(names))
+    uns = {
+        "params": {"labels_key": labels_key, **cfg.to_dict()},
+        "mode": mode,
+        "seen_classes": list(data.classes),
+        "novel_cluster_sizes": {n: int(counts[names.index(n)]) for n in model.novel_names},
+        "novel_similarity": model.novel_similarity(),
+        "merged_into_known": naming.merged,
+        "n_novel": {
+            "requested": str(cfg.n_novel),
+            "estimated": found.n_novel,
+            "heads": found.n_heads,
+            "found": len(naming.order),
+        },
+        "estimate": model.estimate,
+        "self_check": fit.self_check,
+        "input_scale": data.input_scale,
+        "alignment": {**fit.transform.info, "batches": data.domain_names},
+        "data": data.info,
+        "history": {k: np.array([h[k] for h in fit.history]) for k in fit.history[0]},
+        "training": {
+            "epochs": fit.plan.n_epochs,
+            "steps": int(sum(h["steps"] for h in fit.history)),
+            "seconds": t.training,
+            "discovery_seconds": t.discovery,
+            **fit.training,
+        },
+        "seed": cfg.seed,
+        "version": __version__,
+    }
+    return jsonable(uns)
+
+
+def predict_uns(model: Any, labels: np.ndarray, info: dict[str, Any]) -> dict[str, Any]:
+    """``uns['orca']`` of :func:`orca_sc.tl.predict`."""
+    sizes = {n: int(np.sum(labels == n)) for n in model.novel_names}
+    return jsonable(
+        {
+            "mode": "predict",
+            "params": model.config.to_dict(),
+            "seen_classes": list(model.classes),
+            "novel_cluster_sizes": {n: c for n, c in sizes.items() if c > 0},
+            "novel_similarity": model.novel_similarity(),
+            "input_scale": {"AnnData": info["input_scale"]},
+            "n_genes_missing": info["n_genes_missing"],
+            "model_version": model.trained_with,
+            "version": __version__,
+        }
+    )
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` storable in ``uns`` and JSON: no None, tuples as lists, numpy scalars as Python."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj if v is not None]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
