@@ -32,7 +32,8 @@ from device_agreement import agreement
 
 import orca_sc
 from orca_sc._align import aligned_rows
-from orca_sc._data import log_normalize, select_genes
+from orca_sc._hvg import select_genes
+from orca_sc._read import log_normalize
 from orca_sc.benchmark import simulated_open_world
 
 

@@ -7,6 +7,8 @@ the same genes.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
@@ -136,7 +138,7 @@ def seurat_from_stats(
 
 
 def select_from_stats(stats: GeneStats, n_genes: int | None) -> np.ndarray:
-    """Indices of ``n_genes`` highly variable genes as :func:`orca_sc._data.select_genes`
+    """Indices of ``n_genes`` highly variable genes as :func:`select_genes`
     chooses them on the whole matrix: batches of one cell take no part in the ranking (unless
     no batch has two cells); where no gene has a defined dispersion, the genes of highest
     variance of ``x`` over all cells.
@@ -167,3 +169,42 @@ def _merge(stats: GeneStats, batches: np.ndarray) -> GeneStats:
     for name in ("n", "sum", "sumsq", "nnz", "log_sum", "log_sumsq"):
         getattr(out, name)[...] = getattr(stats, name)[batches].sum(axis=0)
     return out
+
+
+def select_genes(
+    X: sp.csr_matrix, genes: list[str], batches: np.ndarray, n_genes: int | None
+) -> np.ndarray:
+    """Indices of ``n_genes`` highly variable genes (scanpy's seurat flavour, batch-aware).
+
+    Batches of one cell have no dispersion and take no part in the ranking (scanpy's per-batch
+    ranking fails on them). Where scanpy cannot rank the genes at all (every dispersion
+    undefined, e.g. a handful of identical cells) the genes of highest variance are used.
+    """
+    if n_genes is None or n_genes >= X.shape[1]:
+        return np.arange(X.shape[1])
+    import anndata as ad
+    import scanpy as sc
+
+    _, codes, sizes = np.unique(batches, return_inverse=True, return_counts=True)
+    rows = sizes[codes] >= 2
+    if rows.all() or not rows.any():
+        rows = slice(None)
+    tmp = ad.AnnData(X=X[rows], var=pd.DataFrame(index=genes))
+    tmp.obs["batch"] = pd.Categorical(batches[rows].astype(str))
+    use_batch = tmp.obs["batch"].nunique() > 1
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sc.pp.highly_variable_genes(
+                tmp,
+                n_top_genes=n_genes,
+                flavor="seurat",
+                batch_key="batch" if use_batch else None,
+                subset=False,
+            )
+    except (ValueError, IndexError):  # no gene has a defined dispersion
+        mean = np.asarray(X.mean(axis=0)).ravel()
+        var = np.asarray(X.multiply(X).mean(axis=0)).ravel() - mean**2
+        return np.sort(np.argsort(-var, kind="stable")[:n_genes])
+    hv = tmp.var["highly_variable"].to_numpy()
+    return np.flatnonzero(hv)

@@ -18,20 +18,13 @@ from . import __version__
 from ._align import aligned_group_means, centroid_shift, identity, profile_similarity, standardize
 from ._annotation import Annotation, Naming, annotate_uns, jsonable
 from ._config import OrcaConfig, resolve_config
-from ._data import (
-    ChunkReader,
-    OrcaInputError,
-    _spill_csr,
-    batch_column,
-    check_unique_genes,
-    get_matrix,
-    on_disk,
-    to_log_normalized,
-)
+from ._data import batch_column, check_unique_genes
 from ._discover import match_known_types, name_heads
-from ._errors import check_input_file
+from ._errors import OrcaInputError, check_input_file
 from ._pipeline import Fit
 from ._pipeline import fit as fit_run
+from ._read import open_matrix, warn_empty
+from ._store import spill_csr
 from ._train import CellMatrix, infer, resolve_device
 from .module import OrcaNet
 
@@ -274,12 +267,8 @@ class OrcaModel:
         """
         check_unique_genes(adata.var_names, "data to predict")
         layer = layer if layer is not None else self.config.layer
-        streamed = on_disk(adata, layer)
-        if not streamed:
-            X = get_matrix(adata, layer, "data to predict")
-            X, scale_kind = to_log_normalized(X, self.config.target_sum)
-        var = adata.var_names.astype(str)
-        idx = var.get_indexer(self.genes)
+        reader = open_matrix(adata, layer, "data to predict", self.config.target_sum)
+        idx = adata.var_names.astype(str).get_indexer(self.genes)
         found = idx >= 0
         if found.mean() < MIN_GENE_FRACTION:
             missing = [g for g, f in zip(self.genes, found, strict=True) if not f][:5]
@@ -300,12 +289,15 @@ class OrcaModel:
             (np.ones(found.sum(), dtype=np.float32), (idx[found], np.flatnonzero(found))),
             shape=(adata.n_vars, len(self.genes)),
         )
-        if streamed:  # read from disk in chunks; only the model's genes are held
-            reader = ChunkReader(adata, layer, "data to predict", self.config.target_sum)
-            Xg = _spill_csr(((m @ sel).tocsr() for _, _, m in reader), len(self.genes))
-            scale_kind = reader.scale
+        blocks = ((m @ sel).tocsr() for _, _, m in reader)
+        if reader.on_disk:  # only the model's genes are held, in a scratch file
+            Xg = spill_csr(blocks, len(self.genes))
         else:
-            Xg = (X @ sel).tocsr()
+            Xg = sp.vstack([sp.csr_matrix((0, len(self.genes)), dtype=np.float32), *blocks],
+                           format="csr", dtype=np.float32)  # fmt: skip
+        if reader.n_empty:
+            warn_empty(reader.n_empty, stacklevel=3)
+        scale_kind = reader.scale
         if batch_key is None:
             domain = np.zeros(Xg.shape[0], dtype=np.int64)
             n_domains = 1

@@ -8,7 +8,8 @@ from conftest import rare_in_reference
 import orca_sc
 from orca_sc import OrcaConfig, OrcaInputError
 from orca_sc._align import centroid_shift, class_centroids
-from orca_sc._data import detect_scale, log_normalize, prepare
+from orca_sc._data import prepare
+from orca_sc._read import detect_scale, log_normalize
 
 
 def _adata(X, genes=None, labels=None):

@@ -15,8 +15,9 @@ from conftest import assert_cli_error
 
 import orca_sc
 from orca_sc import OrcaInputError
-from orca_sc._data import _is_unlabeled, detect_scale, get_matrix
+from orca_sc._data import _is_unlabeled
 from orca_sc._discover import name_heads
+from orca_sc._read import detect_scale, get_matrix
 from orca_sc.cli import main
 
 FAST = {"n_genes": None, "epochs": 5, "min_steps": 150, "warmup_epochs": 1, "progress": False}

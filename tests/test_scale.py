@@ -13,10 +13,12 @@ from click.testing import CliRunner
 from conftest import FAST, SHARED_DATA
 
 import orca_sc
-import orca_sc._data as data_mod
+import orca_sc._read as read_mod
+import orca_sc._store as store_mod
 from orca_sc._config import OrcaConfig
-from orca_sc._data import ChunkReader, OrcaInputError, log_normalize, prepare, select_genes
-from orca_sc._hvg import GeneStats, select_from_stats
+from orca_sc._data import OrcaInputError, prepare
+from orca_sc._hvg import GeneStats, select_from_stats, select_genes
+from orca_sc._read import ChunkReader, log_normalize
 from orca_sc._train import CellMatrix, infer
 from orca_sc.cli import main
 from orca_sc.module import OrcaNet, margin_cross_entropy, masked_margin_cross_entropy
@@ -68,7 +70,7 @@ def on_disk(tmp_path, monkeypatch):
     """A reference (4 of 6 types, batch 0) and a query (batch 1) as .h5ad, the query also as
     .zarr; chunks of 150 cells, so every input is read in several pieces.
     """
-    monkeypatch.setattr(data_mod, "CHUNK_CELLS", 150)
+    monkeypatch.setattr(read_mod, "CHUNK_CELLS", 150)
     a = orca_sc.datasets.simulate(1200, 400, 6, n_batches=2, library_size=400, seed=1)
     ref = a[(a.obs["batch"] == "batch_0").to_numpy()].copy()
     ref = ref[ref.obs["cell_type"].isin([f"type_{i}" for i in range(4)]).to_numpy()].copy()
@@ -97,7 +99,7 @@ def test_prepare_from_disk_equals_in_memory(on_disk, fmt):
     cfg = OrcaConfig(n_genes=150)
     mem = prepare(query, ref, "cell_type", cfg)
     lazy_q = orca_sc.read_lazy(paths[fmt])
-    assert data_mod.on_disk(lazy_q)
+    assert read_mod.on_disk(lazy_q)
     disk = prepare(lazy_q, orca_sc.read_lazy(paths["ref"]), "cell_type", cfg)
     assert disk.info["streamed"] and not mem.info["streamed"]
     assert disk.genes == mem.genes and len(disk.genes) == 150
@@ -131,7 +133,7 @@ def test_selected_matrix_from_disk_lives_in_an_unlinked_scratch_file(
     def no_room(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(data_mod.os, "posix_fallocate", no_room, raising=False)
+    monkeypatch.setattr(store_mod.os, "posix_fallocate", no_room, raising=False)
     full = prepare(
         orca_sc.read_lazy(paths["query"]), orca_sc.read_lazy(paths["ref"]), "cell_type", cfg
     )
@@ -159,7 +161,7 @@ def test_blocks_of_unknown_size_spill_to_a_mapped_scratch_file(tmp_path, monkeyp
         lo, hi = b.indptr[r], b.indptr[r + 1]
         b.indices[lo:hi], b.data[lo:hi] = b.indices[lo:hi][::-1].copy(), b.data[lo:hi][::-1].copy()
     b.has_sorted_indices = False
-    X = data_mod._spill_csr(iter(blocks), 40)
+    X = store_mod.spill_csr(iter(blocks), 40)
     assert isinstance(X.data, np.memmap) and isinstance(X.indices, np.memmap)
     assert list(scratch.iterdir()) == []
     assert X.shape == (100, 40) and (X != expected).nnz == 0 and X.has_sorted_indices
@@ -173,12 +175,12 @@ def test_blocks_of_unknown_size_spill_to_a_mapped_scratch_file(tmp_path, monkeyp
         written.append(values.size)
         f.write(memoryview(values).cast("B"))
 
-    monkeypatch.setattr(data_mod, "_append", full_after_two)
-    Y = data_mod._spill_csr(iter(blocks), 40)
+    monkeypatch.setattr(store_mod, "_append", full_after_two)
+    Y = store_mod.spill_csr(iter(blocks), 40)
     assert not isinstance(Y.data, np.memmap)
     assert (Y != expected).nnz == 0
     Y.check_format(full_check=True)
-    empty = data_mod._spill_csr(iter([]), 40)
+    empty = store_mod.spill_csr(iter([]), 40)
     assert empty.shape == (0, 40) and empty.nnz == 0
 
 
@@ -229,7 +231,7 @@ def test_cli_on_disk_matches_in_memory(on_disk, tmp_path):
 def test_chunks_of_counts_then_non_integers_are_refused(tmp_path, monkeypatch):
     import anndata as ad
 
-    monkeypatch.setattr(data_mod, "CHUNK_CELLS", 50)
+    monkeypatch.setattr(read_mod, "CHUNK_CELLS", 50)
     X = sp.random(120, 30, density=0.3, format="csr", dtype=np.float32, random_state=0)
     X.data = np.ceil(X.data * 5)
     X.data[X.indptr[100] :] += 0.5  # cells 100-119 are not counts

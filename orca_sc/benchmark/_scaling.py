@@ -124,7 +124,7 @@ def _lr_point(a, lab, seed: int) -> dict:
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
-    from .._data import log_normalize
+    from .._read import log_normalize
 
     with PeakMemory() as mem, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -143,7 +143,7 @@ def _celltypist_point(a, lab, seed: int) -> dict:
     import anndata as ad
     import celltypist
 
-    from .._data import log_normalize
+    from .._read import log_normalize
 
     with PeakMemory() as mem, warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .._data import OrcaInputError, _labels_column, batch_column
+from .._data import _labels_column, batch_column
+from .._errors import OrcaInputError
 
 TRUTH = "_truth"
 

@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .._data import OrcaInputError, get_matrix, select_genes, to_log_normalized
+from .._errors import OrcaInputError
+from .._hvg import select_genes
+from .._read import get_matrix, to_log_normalized
 
 #: label values that mean "not annotated" in Tabula Muris releases
 UNANNOTATED = ("unannotated", "nan", "NA", "")

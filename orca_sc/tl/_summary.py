@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from .._data import ChunkReader, get_matrix, on_disk, to_log_normalized
+from .._read import ChunkReader, get_matrix, on_disk, to_log_normalized
 
 
 def summarize(
