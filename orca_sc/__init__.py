@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 try:
     __version__ = version("orca_sc")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.1.0"
+    __version__ = "0.2.0"
 
 if TYPE_CHECKING:  # what static tools and IDEs see
     from . import datasets, metrics, pl, tl

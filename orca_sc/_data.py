@@ -292,18 +292,8 @@ def read_selected(
     streamed = any(on_disk(i.adata, config.layer) for i in inputs)
     multi = streamed and comm is not None and comm.active
     n_shared = inputs[0].cols.size
-    readers, spans, starts, first = [], [], [], 0
-    for inp in inputs:
-        span = comm.share(inp.adata.n_obs) if multi else np.arange(inp.adata.n_obs)
-        if multi:
-            reader = ChunkReader(inp.adata, config.layer, inp.what, config.target_sum,
-                                 rows=span, require_values=False)  # fmt: skip
-        else:
-            reader = open_matrix(inp.adata, config.layer, inp.what, config.target_sum)
-        readers.append(reader)
-        spans.append(span)
-        starts.append(first)
-        first += inp.adata.n_obs if inp.keep is None else inp.keep.size
+    readers, spans = _readers(inputs, config, comm if multi else None)
+    starts = np.cumsum([0] + [i.adata.n_obs if i.keep is None else i.keep.size for i in inputs])
 
     def rows_of(i: int):  # input i's chunks: (rows of the run, chunk of its kept rows)
         inp, span = inputs[i], spans[i]
@@ -354,6 +344,23 @@ def read_selected(
         return fill_csr(chunks, int(stats.n.sum()), hv.size, int(stored[hv].sum())), hv, scales
     empty = sp.csr_matrix((0, hv.size), dtype=np.float32)
     return sp.vstack([empty, *chunks], format="csr", dtype=np.float32), hv, scales
+
+
+def _readers(inputs: list[_Input], config: OrcaConfig, comm: Any) -> tuple[list, list]:
+    """A reader of each input and the rows it reads: all of them, or with several processes
+    (``comm``) this rank's share.
+    """
+    readers, spans = [], []
+    for inp in inputs:
+        n = inp.adata.n_obs
+        if comm is None:
+            readers.append(open_matrix(inp.adata, config.layer, inp.what, config.target_sum))
+            spans.append(np.arange(n))
+        else:
+            spans.append(comm.share(n))
+            readers.append(ChunkReader(inp.adata, config.layer, inp.what, config.target_sum,
+                                       rows=spans[-1], require_values=False))  # fmt: skip
+    return readers, spans
 
 
 def _agree_on_reading(readers: list, comm: Any) -> None:

@@ -770,51 +770,108 @@ def discover(
     seed: int = 0,
     domain_names: list[str] | None = None,
 ) -> Discovery:
-    """Candidate novel clusters after the warm-up, and the novel heads they start.
+    """Candidate novel clusters after the warm-up, and the novel heads they start: clusters of
+    unlabelled cells the seen heads do not explain (:func:`ood_clusters`; in batches without
+    labelled cells :func:`query_ood_clusters`); with ``n_novel="auto"`` one head per candidate.
 
-    ``embedding`` ``(n, D)``: L2-normalised warmed-up embedding of the cells; ``seen_similarity``
-    ``(n, n_seen)``: their cosine to each seen head; ``labels``: class codes (``-1``
-    unlabelled); ``domain``: batch codes; ``pca_of(idx)``: the PCA of the aligned expression of
-    the cells ``idx`` (called per batch and per class, so each set of cells gets its own axes);
-    ``calibration``: labelled cells the warm-up did not train on (:func:`calibration_split`),
-    which cap the out-of-distribution threshold (:func:`ood_threshold`; without them it is
-    taken on the labelled cells alone); ``ood_cap``: a threshold calibrated elsewhere that
-    caps it (:func:`probe_threshold`).
-
-    Candidates are clusters of unlabelled cells the seen heads do not explain
-    (:func:`ood_clusters`; in batches without labelled cells :func:`query_ood_clusters`).
-    With ``n_novel="auto"`` there is one novel head per candidate; a given number of heads takes
-    the largest candidates first (random prototypes beyond them).
+    ``embedding`` ``(n, D)``: the warmed-up embedding; ``seen_similarity`` ``(n, n_seen)``: the
+    cosine to each seen head; ``labels`` (``-1`` unlabelled); ``domain``: batch codes;
+    ``pca_of(idx)``: the PCA of the aligned expression of the cells ``idx``; ``calibration``:
+    labelled cells the warm-up did not train on (:func:`calibration_split`) and ``ood_cap``: a
+    probe's threshold (:func:`probe_threshold`), which cap the threshold (:func:`ood_threshold`).
     """
-    rng = np.random.default_rng(seed)
+    pca_cells = _once_per_cell_set(pca_of)
+    lab = labels >= 0
+    maxcos = seen_similarity.max(axis=1)
+    ev = _label_evidence(lab, domain, pca_cells, cfg, domain_names)
+    # batches without any labelled cell (a separate query): candidates are voted per cluster
+    query = ~np.isin(domain, np.unique(domain[lab]))
+    min_size = min_cluster_size(int((~lab).sum()), cfg)
+    # candidates are cut at the granularity of the labelled types (only where labelled and
+    # unlabelled cells share a batch: query batches are voted at cfg.query_resolution)
+    resolution, scores = resolve_resolution(
+        labels, pca_cells, seed=seed, calibrate=bool((~lab & ~query).any()), cfg=cfg
+    )
+    calib = np.zeros_like(lab) if calibration is None else calibration & lab
+    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
+    if ood_cap is not None:
+        tau, tau_info = min(tau, ood_cap), {**tau_info, "threshold_probe": ood_cap}
+    assign, sizes, tau = ood_clusters(
+        maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
+        resolution=resolution, min_size=min_size, seed=seed, exclude=ev.supported | query,
+        include=ev.desert, n_neighbors=cfg.n_neighbors,
+    )  # fmt: skip
+    groups = _query_candidates(maxcos < tau, query, domain, pca_cells, min_size, cfg, seed)
+    assign, sizes = _rank_by_size(assign, sizes, groups)
+    k = len(sizes) if n_novel == "auto" else int(n_novel)
+    heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
+                         min_size, cfg, seed)  # fmt: skip
+    notes = _notes(labels, seen_similarity.shape[1], int(calib.sum()), ood_cap, cfg)
+    diagnostics = {
+        "n_novel": len(sizes),
+        "cluster_sizes": list(sizes),
+        "n_supported_by_labels": int(ev.supported.sum()),
+        "n_label_deserts": int(ev.desert.sum()),
+        "segregated_batches": [domain_names[d] if domain_names else str(d) for d in ev.segregated],
+        "resolution": resolution,
+        "resolution_ari": dict(zip(map(str, cfg.resolution_grid), scores, strict=False)),
+        "n_anchored": int(heads.core.sum()),
+        "n_query_clusters": len(groups),
+        "min_cluster_size": min_size,
+        "method": _method(resolution, bool(query.any()), cfg),
+        **tau_info,
+        "n_calibration": int(calib.sum()),
+    }
+    return Discovery(
+        assign=assign,
+        sizes=tuple(sizes),
+        n_novel=len(sizes),
+        prototypes=heads.prototypes,
+        prior=heads.prior,
+        anchor_cells=np.flatnonzero(heads.core),
+        anchor_heads=seen_similarity.shape[1] + assign[heads.core],
+        diagnostics=diagnostics,
+        threshold=tau,
+        notes=tuple(notes),
+    )
+
+
+def _once_per_cell_set(pca_of: Callable[[np.ndarray], np.ndarray]):
+    """``pca_of`` computed once per set of cells (on single-batch data the batch's cells and all
+    cells are the same set).
+    """
     pcas: dict[bytes, np.ndarray] = {}
 
     def pca_cells(idx: np.ndarray) -> np.ndarray:
-        """``pca_of`` computed once per set of cells (on single-batch data the batch's cells and
-        all cells are the same set).
-        """
         key = np.asarray(idx, dtype=np.int64).tobytes()
         if key not in pcas:
             pcas[key] = pca_of(idx)
         return pcas[key]
 
-    n_seen = seen_similarity.shape[1]
-    lab = labels >= 0
-    n_unl = int((~lab).sum())
-    maxcos = seen_similarity.max(axis=1)
-    best_seen = seen_similarity.argmax(axis=1)
+    return pca_cells
+
+
+@dataclass(frozen=True)
+class _LabelEvidence:
+    """What the labels say about unlabelled cells that share a batch with labelled ones:
+    ``supported`` (among labelled cells: of known types), ``desert`` (improbably few labelled
+    neighbours: a type nobody labelled) and the ``segregated`` batches, where labelled and
+    unlabelled cells are two populations and deserts say nothing.
+    """
+
+    supported: np.ndarray
+    desert: np.ndarray
+    segregated: list[int]
+
+
+def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryConfig, domain_names) -> _LabelEvidence:
     # unlabelled cells among labelled ones (same batch) are of known types, however poorly the
     # seen heads score them
     nb_frac, tested = labelled_neighbours(lab, domain, pca_cells, n_neighbors=cfg.n_neighbors)
     supported = labelled_support(
-        lab,
-        domain,
-        nb_frac,
-        tested,
-        n_neighbors=cfg.n_neighbors,
-        min_fraction=cfg.support_fraction,
-        min_count=cfg.support_min,
-    )
+        lab, domain, nb_frac, tested, n_neighbors=cfg.n_neighbors,
+        min_fraction=cfg.support_fraction, min_count=cfg.support_min,
+    )  # fmt: skip
     # unlabelled cells among unlabelled ones, in batches labelled at random: a type nobody
     # labelled, even where a seen head scores it confidently
     desert = label_deserts(
@@ -836,86 +893,87 @@ def discover(
             "they come from different samples or technologies, pass batch_key=... (or the "
             "reference as a separate AnnData) so that the unlabelled cells are aligned and "
             "treated as a query; as it is, known types may be reported as novel clusters.",
-            stacklevel=3,
+            stacklevel=4,
         )
-    # batches without any labelled cell (a separate query): candidates are voted per cluster
-    query = ~np.isin(domain, np.unique(domain[lab]))
-    min_size = min_cluster_size(n_unl, cfg)
-    # candidates are cut at the granularity of the labelled types (only where labelled and
-    # unlabelled cells share a batch: query batches are voted at cfg.query_resolution)
-    resolution, scores = resolve_resolution(
-        labels, pca_cells, seed=seed, calibrate=bool((~lab & ~query).any()), cfg=cfg
-    )
-    calib = np.zeros_like(lab) if calibration is None else calibration & lab
-    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
-    if ood_cap is not None:
-        tau_info["threshold_probe"] = ood_cap
-        tau = min(tau, ood_cap)
-    assign, sizes, tau = ood_clusters(
-        maxcos,
-        lab,
-        pca_cells,
-        threshold=tau,
-        quantile=cfg.ood_quantile,
-        resolution=resolution,
-        min_size=min_size,
-        seed=seed,
-        exclude=supported | query,
-        include=desert,
-        n_neighbors=cfg.n_neighbors,
-    )
-    groups: list[np.ndarray] = []
-    if query.any():
-        groups = query_ood_clusters(
-            maxcos < tau,
-            np.flatnonzero(query),
-            domain,
-            pca_cells,
-            min_size=min_size,
-            min_fraction=cfg.query_min_fraction,
-            min_enrichment=cfg.query_min_enrichment,
-            resolution=cfg.query_resolution,
-            seed=seed,
-            n_neighbors=cfg.n_neighbors,
-        )
-    n_query = len(groups)
+    return _LabelEvidence(supported, desert, segregated)
+
+
+def _query_candidates(ood, query, domain, pca_cells, min_size: int, cfg: DiscoveryConfig,
+                      seed: int) -> list[np.ndarray]:  # fmt: skip
+    """Candidates of the batches without labelled cells (none when there are none)."""
+    if not query.any():
+        return []
+    return query_ood_clusters(
+        ood, np.flatnonzero(query), domain, pca_cells, min_size=min_size,
+        min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
+        resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
+    )  # fmt: skip
+
+
+def _rank_by_size(
+    assign: np.ndarray, sizes: list[int], groups: list[np.ndarray]
+) -> tuple[np.ndarray, list[int]]:
+    """The query batches' candidates ``groups`` added to ``assign``; with them, candidates
+    renumbered by size, largest first.
+    """
     for g in groups:
         assign[g] = len(sizes)
         sizes.append(int(g.size))
-    if groups:  # candidates ranked by size, largest first
+    if groups:
         order = np.argsort(-np.asarray(sizes), kind="stable")
         rank = np.empty_like(order)
         rank[order] = np.arange(order.size)
         assign = np.where(assign >= 0, rank[np.maximum(assign, 0)], -1)
         sizes = [sizes[i] for i in order]
-    k = len(sizes) if n_novel == "auto" else int(n_novel)
-    protos = rng.normal(size=(k, embedding.shape[1]))
-    for j in range(min(k, len(sizes))):
+    return assign, sizes
+
+
+@dataclass(frozen=True)
+class _Heads:
+    prototypes: np.ndarray  # (k, D) initial weights of the novel heads
+    prior: np.ndarray  # (n_seen + k,) the regulariser's target
+    core: np.ndarray  # (n,) bool: cells anchored to their candidate's head
+
+
+def _novel_heads(embedding, seen_similarity, labels, assign, counts_k, pca_cells, min_size,
+                 cfg: DiscoveryConfig, seed: int) -> _Heads:  # fmt: skip
+    """Prototypes (candidate means; random beyond the candidates), the regulariser's prior and
+    the anchored core cells of the novel heads; ``counts_k``: (heads, candidates).
+    """
+    k, n_candidates = counts_k
+    n_seen = seen_similarity.shape[1]
+    lab = labels >= 0
+    protos = np.random.default_rng(seed).normal(size=(k, embedding.shape[1]))
+    for j in range(min(k, n_candidates)):
         protos[j] = embedding[assign == j].mean(axis=0)
     protos /= np.linalg.norm(protos, axis=1, keepdims=True)
     # prior of the regulariser = estimated composition of all cells over the heads: labelled cells
     # by their label, candidate cells by their cluster, other unlabelled cells by their best seen
     # head after the warm-up (so a known type that is rare in the reference but common in the
     # query keeps its share)
-    head = np.where(lab, labels, best_seen)
+    head = np.where(lab, labels, seen_similarity.argmax(axis=1))
     in_cand = (assign >= 0) & (assign < k)
     head = np.where(in_cand, n_seen + assign, head)
     counts = np.bincount(head, minlength=n_seen + k).astype(np.float64)
     core = cluster_cores(
-        np.where(in_cand, assign, -1),
-        pca_cells(np.arange(labels.size)),
-        n_neighbors=cfg.n_neighbors,
-        min_agree=cfg.core_min_agree,
+        np.where(in_cand, assign, -1), pca_cells(np.arange(labels.size)),
+        n_neighbors=cfg.n_neighbors, min_agree=cfg.core_min_agree,
         min_core=cfg.core_min_fraction,
-    )
+    )  # fmt: skip
     # novel heads without a candidate cluster (n_novel given above the estimate): no evidence of
     # any mass, so their prior is the detection limit (smallest candidate size), not an average
     # cluster; otherwise the regulariser fills them with cells of known types
     empty = counts[n_seen:] == 0
     if empty.any():
         counts[n_seen:][empty] = min_size
+    return _Heads(protos, counts / counts.sum(), core)
+
+
+def _notes(labels, n_seen: int, n_cal: int, ood_cap, cfg: DiscoveryConfig) -> list[str]:
+    """Where the data cannot support a call: said to the user (``estimate['notes']``, log)."""
+    lab = labels >= 0
+    n_unl = int((~lab).sum())
     notes = []
-    n_cal = int(calib.sum())
     per_class = np.bincount(labels[lab], minlength=n_seen)
     if cfg.calibration_fraction > 0 and ood_cap is None and n_cal * cfg.ood_max_rate < 1:
         notes.append(
@@ -939,43 +997,24 @@ def discover(
             "cluster of its own and may be absorbed by a known type (simulated 150-cell "
             "queries: a third of the novel-type cells were)."
         )
-    diagnostics = {
-        "n_novel": len(sizes),
-        "cluster_sizes": list(sizes),
-        "n_supported_by_labels": int(supported.sum()),
-        "n_label_deserts": int(desert.sum()),
-        "segregated_batches": [domain_names[d] if domain_names else str(d) for d in segregated],
-        "resolution": resolution,
-        "resolution_ari": dict(zip(map(str, cfg.resolution_grid), scores, strict=False)),
-        "n_anchored": int(core.sum()),
-        "n_query_clusters": n_query,
-        "min_cluster_size": min_size,
-        "method": f"Leiden clusters (resolution {resolution:g}) of cells below the "
+    return notes
+
+
+def _method(resolution: float, has_query: bool, cfg: DiscoveryConfig) -> str:
+    """How the candidates were found, in words (``estimate['method']``)."""
+    text = (
+        f"Leiden clusters (resolution {resolution:g}) of cells below the "
         f"{cfg.ood_quantile:.0%} quantile of labelled max cosine or with improbably few "
         "labelled neighbours"
-        + (
+    )
+    if has_query:
+        text += (
             f"; in batches without labels, Leiden clusters (resolution "
             f"{cfg.query_resolution:g}) of the batch with at least "
             f"{cfg.query_min_fraction:.0%} (or {cfg.query_min_enrichment:g}x the batch's share) "
             "of such cells"
-            if query.any()
-            else ""
-        ),
-        **tau_info,
-        "n_calibration": n_cal,
-    }
-    return Discovery(
-        assign=assign,
-        sizes=tuple(sizes),
-        n_novel=len(sizes),
-        prototypes=protos,
-        prior=counts / counts.sum(),
-        anchor_cells=np.flatnonzero(core),
-        anchor_heads=n_seen + assign[core],
-        diagnostics=diagnostics,
-        threshold=tau,
-        notes=tuple(notes),
-    )
+        )
+    return text
 
 
 def discover_without_warmup(

@@ -81,7 +81,7 @@ class OrcaModel:
     (``novel_1`` = largest) or ``None`` for heads that received no cells during training. A novel
     head whose cluster matched a known type of another batch carries that type's name.
     ``novelty_quantiles``: 1,001 quantiles of the labelled cells' cosine to their nearest seen
-    head (:meth:`novelty`; empty for models saved before the score existed); ``similarity``:
+    head (:meth:`novelty`; empty until :meth:`calibrate_novelty`); ``similarity``:
     see :meth:`novel_similarity`; ``alignment`` and ``estimate``: the training run's alignment
     and discovery records; ``trained_with``: the orca_sc version that trained it.
     """
@@ -217,7 +217,7 @@ class OrcaModel:
         """Novelty score of each cell (0-1): one minus the share of labelled reference cells that
         are less similar to their nearest seen head than the cell is to its own. Cells of known
         types score about uniformly; a cell less like any known type than almost every labelled
-        cell scores near 1. NaN for models saved before the score existed.
+        cell scores near 1. NaN until :meth:`calibrate_novelty` has run.
         """
         q = self.novelty_quantiles
         if not q:

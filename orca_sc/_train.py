@@ -320,9 +320,8 @@ def fit_warmup(
     """
     with rand.torch_stream():
         net = OrcaNet(data.shape[1], n_seen, config.hidden_dims, config.dropout).to(data.device)
-        history = _run_epochs(
-            net, data, labels, range(plan.warmup), plan, config, rand, False, comm=comm
-        )
+        history = _run_epochs(net, data, labels, range(plan.warmup), plan, config, rand,
+                              Phase(full=False), comm)  # fmt: skip
     return net, history
 
 
@@ -359,10 +358,9 @@ def fit_open_world(
         feats = None
         if pair_features is not None:
             feats = torch.as_tensor(pair_features, dtype=torch.float32, device=dev)
+        phase = Phase(full=True, prior=prior, y_anchor=y_anchor, pair_features=feats)
         epochs = range(plan.warmup, plan.n_epochs)
-        history = _run_epochs(
-            net, data, labels, epochs, plan, config, rand, True, prior, y_anchor, feats, comm
-        )
+        history = _run_epochs(net, data, labels, epochs, plan, config, rand, phase, comm)
     net.eval()
     return net, history
 
@@ -384,21 +382,23 @@ def epoch_bar(epochs, desc: str, enabled: bool):
     )
 
 
-def _run_epochs(
-    net,
-    data,
-    labels,
-    epochs,
-    plan,
-    config,
-    rand,
-    full,
-    prior=None,
-    y_anchor=None,
-    pair_feats=None,
-    comm=None,
-) -> list[dict]:
-    """Train ``net`` in place over ``epochs`` (epoch numbers of the whole run).
+@dataclass(frozen=True)
+class Phase:
+    """What distinguishes the two phases of training: the warm-up (``full=False``: labelled
+    cells, supervised term) and the open-world phase (the full objective, with the
+    regulariser's ``prior``, the anchored cells' heads ``y_anchor`` (``(n_cells,)``, ``-1``: not
+    anchored) and the fixed ``pair_features`` ``(n_cells, P)``, all on the device).
+    """
+
+    full: bool
+    prior: torch.Tensor | None = None
+    y_anchor: torch.Tensor | None = None
+    pair_features: torch.Tensor | None = None
+
+
+def _run_epochs(net, data, labels, epochs, plan, config, rand, phase: Phase, comm=None):
+    """Train ``net`` in place over ``epochs`` (epoch numbers of the whole run); one history
+    record per epoch.
 
     Nothing in a step waits for the device: the batch indices of an epoch go to the device in
     one copy, the loss terms are summed there and read (and checked for NaN) once per epoch.
@@ -407,86 +407,119 @@ def _run_epochs(
     forward pass on its part of each (:class:`orca_sc._dist.BatchShard`); the loss is taken on
     the gathered batch and ``DistributedDataParallel`` averages the gradients.
     """
-    device = data.device
     comm = comm if comm is not None and comm.active else None
-    y_all = torch.as_tensor(labels, device=device)
-    lab_idx = np.flatnonzero(labels >= 0)
-    unl_idx = np.flatnonzero(labels < 0)
+    y_all = torch.as_tensor(labels, device=data.device)
+    lab_idx, unl_idx = np.flatnonzero(labels >= 0), np.flatnonzero(labels < 0)
     opt = _adam(net, config)
-    model = net
-    if comm is not None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [device] if device.type == "cuda" else None
-        # buffers (BatchNorm running statistics) move the same on every rank: not broadcast
-        model = DistributedDataParallel(
-            net, device_ids=ids, forward_sync_buffers=False, process_group=comm.group
-        )
+    model = _distributed(net, data.device, comm)
     history: list[dict] = []
-    bar = epoch_bar(epochs, "ORCA" if full else "ORCA warm-up", config.progress)
+    bar = epoch_bar(epochs, "ORCA" if phase.full else "ORCA warm-up", config.progress)
     for epoch in bar:
         t_epoch = time.perf_counter()
         u = mean_uncertainty(net, data, unl_idx, comm)
         margin = adaptive_margin(
             config.margin, u, config.lam, config.max_margin, config.fixed_margin
         )
-        anchored = y_anchor is not None and epoch < plan.warmup + plan.anchor
+        anchored = phase.y_anchor is not None and epoch < plan.warmup + plan.anchor
         net.train()
         # mini-batches mix labelled and unlabelled cells in proportion; balanced sizes, so the
         # last batch is never tiny
         lab_chunks = np.array_split(rand.numpy.permutation(lab_idx), plan.steps_per_epoch)
         unl_chunks = np.array_split(rand.numpy.permutation(unl_idx), plan.steps_per_epoch)
         batches = [
-            np.concatenate([lc, uc]) if full else lc
+            np.concatenate([lc, uc]) if phase.full else lc
             for lc, uc in zip(lab_chunks, unl_chunks, strict=True)
         ]
         batches = [b for b in batches if b.size >= 2]
+        step = _Step(model, opt, data, y_all, margin, phase, anchored, config, rand.pairs, comm)
+        sums = step.epoch(batches)
+        history.append(_record(epoch, sums, len(batches), u, margin, phase.full, anchored))
+        history[-1]["seconds"] = time.perf_counter() - t_epoch
+        bar.set_postfix(loss=f"{sums[0]:.3f}", u=f"{u:.3f}", refresh=False)
+    bar.close()
+    return history
+
+
+def _distributed(net: OrcaNet, device: torch.device, comm: Comm | None):
+    """``net`` wrapped for ``DistributedDataParallel`` over ``comm`` (``net`` itself alone)."""
+    if comm is None:
+        return net
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device] if device.type == "cuda" else None
+    # buffers (BatchNorm running statistics) move the same on every rank: not broadcast
+    return DistributedDataParallel(
+        net, device_ids=ids, forward_sync_buffers=False, process_group=comm.group
+    )
+
+
+@dataclass
+class _Step:
+    """One epoch's optimiser steps over its mini-batches (the model, its optimiser and what
+    every step of the epoch shares).
+    """
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    data: CellMatrix
+    y_all: torch.Tensor
+    margin: float
+    phase: Phase
+    anchored: bool
+    config: OrcaConfig
+    gen: torch.Generator
+    comm: Comm | None
+
+    def epoch(self, batches: list[np.ndarray]) -> np.ndarray:
+        """Train on ``batches`` in order; the mean of each loss term over them (on the host)."""
+        data, phase = self.data, self.phase
         order = np.concatenate(batches) if batches else np.empty(0, dtype=np.int64)
         order_t = data.to_device(order)  # one copy per epoch
         bounds = np.cumsum([0] + [b.size for b in batches])
-        sums = torch.zeros(5, device=device)
+        sums = torch.zeros(5, device=data.device)
         for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             idx = order_t[lo:hi]
             shard = None
-            if comm is None:
+            if self.comm is None:
                 x = data.batch(batches[b], idx)
             else:  # this rank's part of the batch
-                shard = comm.batch_shard(hi - lo)
+                shard = self.comm.batch_shard(hi - lo)
                 x = data.batch(batches[b][shard.rows], idx[shard.rows])
-            y = y_all[idx]  # (B,)
-            ya = y_anchor[idx] if anchored else None
-            pf = pair_feats[idx] if pair_feats is not None else None
-            parts = _losses(model, x, y, margin, full, config, rand.pairs, prior, pf, ya, shard)
-            opt.zero_grad(set_to_none=True)
-            parts[0].backward()
-            opt.step()
-            sums += torch.stack([p.detach() for p in parts])
-        n_done = len(batches)
-        sums_np = sums.cpu().numpy() / max(1, n_done)
-        if not np.isfinite(sums_np[0]):
-            msg = (
-                f"The training loss became {sums_np[0]} in epoch {epoch + 1}; lower the learning "
-                "rate (lr=...) or check the input for extreme values."
+            batch = Phase(
+                phase.full, phase.prior, phase.y_anchor[idx] if self.anchored else None,
+                phase.pair_features[idx] if phase.pair_features is not None else None,
+            )  # fmt: skip
+            parts = _losses(
+                self.model, x, self.y_all[idx], self.margin, batch, self.config, self.gen, shard
             )
-            raise TrainingDivergedError(msg)
-        rec = {
-            "epoch": epoch + 1,
-            "loss": float(sums_np[0]),
-            "supervised": float(sums_np[1]),
-            "pairwise": float(sums_np[2]),
-            "regularizer": float(sums_np[3]),
-            "anchor": float(sums_np[4]),
-            "uncertainty": u,
-            "margin": margin,
-            "warmup": not full,
-            "anchored": anchored,
-            "steps": n_done,
-            "seconds": time.perf_counter() - t_epoch,
-        }
-        history.append(rec)
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", u=f"{u:.3f}", refresh=False)
-    bar.close()
-    return history
+            self.opt.zero_grad(set_to_none=True)
+            parts[0].backward()
+            self.opt.step()
+            sums += torch.stack([p.detach() for p in parts])
+        return sums.cpu().numpy() / max(1, len(batches))
+
+
+def _record(epoch, sums, n_done, u, margin, full, anchored) -> dict:
+    """The history record of an epoch (``sums``: mean loss terms); a non-finite loss stops."""
+    if not np.isfinite(sums[0]):
+        msg = (
+            f"The training loss became {sums[0]} in epoch {epoch + 1}; lower the learning "
+            "rate (lr=...) or check the input for extreme values."
+        )
+        raise TrainingDivergedError(msg)
+    return {
+        "epoch": epoch + 1,
+        "loss": float(sums[0]),
+        "supervised": float(sums[1]),
+        "pairwise": float(sums[2]),
+        "regularizer": float(sums[3]),
+        "anchor": float(sums[4]),
+        "uncertainty": u,
+        "margin": margin,
+        "warmup": not full,
+        "anchored": anchored,
+        "steps": n_done,
+    }
 
 
 def _adam(net: OrcaNet, config: OrcaConfig) -> torch.optim.Adam:
@@ -500,11 +533,10 @@ def _adam(net: OrcaNet, config: OrcaConfig) -> torch.optim.Adam:
         return torch.optim.Adam(net.parameters(), **kw)
 
 
-def _losses(
-    net, x, y, margin, full, config, gen, prior, pair_feats=None, y_anchor=None, shard=None
-):
-    """Eq. 1: L = L_S + eta1 L_P + eta2 R, each term switchable. During the anchor epochs
-    (``y_anchor`` given, ``-1`` for cells not anchored) ``anchor_weight`` times the plain
+def _losses(net, x, y, margin, batch: Phase, config, gen, shard=None):
+    """Eq. 1: L = L_S + eta1 L_P + eta2 R, each term switchable; ``batch``: the phase with its
+    per-cell tensors taken for this batch. During the anchor epochs (``batch.y_anchor`` given,
+    ``-1`` for cells not anchored) ``anchor_weight`` times the plain
     cross-entropy of the anchored candidate novel cells towards their clusters' heads is added
     (no margin: the margin eases seen classes, not candidates). Returns
     ``(loss, supervised, pairwise, regulariser, anchor)``.
@@ -512,7 +544,7 @@ def _losses(
     ``shard``: ``x`` is this rank's part of the batch whose labels etc. are given; the net's
     outputs are gathered, so the loss is that of the whole batch.
     """
-    if not full:  # the warm-up's batches hold labelled cells only
+    if not batch.full:  # the warm-up's batches hold labelled cells only
         logits, _ = net(x, shard=shard)  # (B, K)
         if shard is not None:
             logits = shard.gather(logits)
@@ -526,14 +558,14 @@ def _losses(
         logits, logits2, feat = joined[:, :k], joined[:, k : 2 * k], joined[:, 2 * k : 2 * k + d]
     zero = logits.sum() * 0.0
     anchor = zero
-    if y_anchor is not None:
-        anchor = masked_margin_cross_entropy(logits, y_anchor, 0.0)
-    if pair_feats is None:  # pair_space="embedding"
+    if batch.y_anchor is not None:
+        anchor = masked_margin_cross_entropy(logits, batch.y_anchor, 0.0)
+    if batch.pair_features is None:  # pair_space="embedding"
         space = feat
     elif config.pair_space == "both":
-        space = joint_cosine_features(pair_feats, feat)
+        space = joint_cosine_features(batch.pair_features, feat)
     else:
-        space = pair_feats
+        space = batch.pair_features
     terms = orca_objective(
         logits,
         logits2,
@@ -542,7 +574,7 @@ def _losses(
         margin,
         eta1=config.eta1,
         eta2=config.eta2,
-        prior=prior,
+        prior=batch.prior,
         generator=gen,
         mutual=config.mutual_pairs,
         supervised=config.supervised,

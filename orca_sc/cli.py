@@ -586,25 +586,13 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
       orca-sc benchmark --h5ad atlas.h5ad --labels-key cell_type --batch-key tissue \\
           --reference-batches Kidney --seeds 0,1
     """
-    import shutil
-    import tempfile
-
     from . import benchmark as B
 
     with errors(ctx), cli_logging(quiet):
         seed_list = _csv_list(seeds, int)
         if not seed_list:
             raise CliError("--seeds must list at least one seed, e.g. --seeds 0,1,2.")
-        out = Path(outdir)
-        if out.exists() and not out.is_dir():
-            raise CliError(f"--outdir {outdir!r} exists and is not a directory.")
-        if out.is_dir() and (out / "report.md").exists() and not overwrite:
-            raise CliError(
-                f"{outdir!r} already holds a report; pass --overwrite or choose another --outdir."
-            )
-        parent = out.resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise CliError(f"Cannot write into {str(parent)!r}; choose another --outdir.")
+        out = _benchmark_outdir(outdir, overwrite)
         if data_dir is not None and not Path(data_dir).is_dir():
             raise CliError(f"--data-dir {data_dir!r} is not a directory.")
         default_methods = B.SUITE_METHODS if suite == "dev" else B.DEFAULT_METHODS
@@ -619,53 +607,12 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
             seed_list = seed_list[:1]
             sizes = [1000, 2000]
         if h5ad is not None:
-            if labels_key is None:
-                raise CliError("--h5ad needs --labels-key naming the cell-type column.")
-            adata = read_h5ad(h5ad, "Benchmark")
-            name = Path(h5ad).stem
-            if batch_key is not None:
-                refs = _csv_list(reference_batches)
-                if not refs:
-                    raise CliError(
-                        "--batch-key needs --reference-batches, e.g. --reference-batches Kidney."
-                    )
-                B.batch_split(adata, labels_key, batch_key, refs)  # validate now
-                hidden = _csv_list(novel_classes) or ()
-
-                def make(s):
-                    return B.batch_split(
-                        adata, labels_key, batch_key, refs, novel_classes=hidden, seed=s,
-                        name=f"{name}_cross_batch",
-                    )  # fmt: skip
-
-                specs = [B.TaskSpec(f"{name}_cross_batch", "cross-batch", make, h5ad)]
-            else:
-                kw = dict(seen_fraction=seen_fraction, labeled_fraction=labeled_fraction,
-                          seen_classes=_csv_list(seen_classes))  # fmt: skip
-                B.protocol_split(adata, labels_key, **kw)  # validate now
-
-                def make(s):
-                    return B.protocol_split(
-                        adata, labels_key, seed=s, name=f"{name}_protocol", **kw
-                    )
-
-                specs = [B.TaskSpec(f"{name}_protocol", "protocol", make, h5ad)]
+            split = {"batch_key": batch_key, "reference_batches": reference_batches,
+                     "novel_classes": novel_classes, "seen_fraction": seen_fraction,
+                     "labeled_fraction": labeled_fraction, "seen_classes": seen_classes}  # fmt: skip
+            specs = [_h5ad_task(h5ad, labels_key, split)]
         else:
-            if suite == "dev":
-                specs = B.dev_suite(data_dir, large=not quick)
-            else:
-                specs = B.builtin_tasks(None if quick else data_dir)
-            if quick:
-                keep = ("pbmc68k_protocol", "sim_query150", "sim_speed_1k_1k")
-                specs = [s for s in specs if s.name in keep]
-            if tasks:
-                missing = sorted(set(tasks) - {s.name for s in specs})
-                if missing:
-                    avail = ", ".join(s.name for s in specs)
-                    raise CliError(
-                        f"unknown --task {missing}; available here: {avail} (more with --data-dir)."
-                    )
-                specs = [s for s in specs if s.name in tasks]
+            specs = _builtin_specs(suite, data_dir, quick, tasks)
         abl_list = _csv_list(ablation_seeds, int) or seed_list
         result = B.run_benchmark(
             specs, method_list, seed_list, ablation_seeds=abl_list, progress=not quiet
@@ -675,20 +622,102 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
                 sizes, n_genes=500 if quick else 2000, progress=not quiet,
                 library_size=scaling_library_size,
             )  # fmt: skip
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-        try:
-            paths = B.write_report(result, tmp)
-            if suite == "dev":
-                paths["suite"] = tmp / "suite.md"
-                paths["suite"].write_text(B.suite_markdown(result.runs, result.settings))
-            out.mkdir(exist_ok=True)
-            for p in paths.values():
-                os.replace(p, out / p.name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        paths = _write_benchmark(result, out, suite == "dev")
 
     click.echo((out / ("suite.md" if suite == "dev" else "report.md")).read_text())
     click.echo(f"Wrote {out}/: " + ", ".join(sorted(p.name for p in paths.values())))
+
+
+def _benchmark_outdir(outdir: str, overwrite: bool) -> Path:
+    """The report folder, checked before any work."""
+    out = Path(outdir)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--outdir {outdir!r} exists and is not a directory.")
+    if out.is_dir() and (out / "report.md").exists() and not overwrite:
+        raise CliError(
+            f"{outdir!r} already holds a report; pass --overwrite or choose another --outdir."
+        )
+    parent = out.resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"Cannot write into {str(parent)!r}; choose another --outdir.")
+    return out
+
+
+def _h5ad_task(h5ad: str, labels_key: str | None, split: dict):
+    """The one task of ``--h5ad``: a cross-batch split with ``--batch-key``, else the protocol;
+    the split is validated now (seed 0).
+    """
+    from . import benchmark as B
+
+    if labels_key is None:
+        raise CliError("--h5ad needs --labels-key naming the cell-type column.")
+    adata = read_h5ad(h5ad, "Benchmark")
+    name = Path(h5ad).stem
+    if split["batch_key"] is not None:
+        refs = _csv_list(split["reference_batches"])
+        if not refs:
+            raise CliError(
+                "--batch-key needs --reference-batches, e.g. --reference-batches Kidney."
+            )
+        kw = {"novel_classes": _csv_list(split["novel_classes"]) or ()}
+        B.batch_split(adata, labels_key, split["batch_key"], refs)  # validate now
+
+        def make(s):
+            return B.batch_split(adata, labels_key, split["batch_key"], refs, seed=s,
+                                 name=f"{name}_cross_batch", **kw)  # fmt: skip
+
+        return B.TaskSpec(f"{name}_cross_batch", "cross-batch", make, h5ad)
+    kw = dict(seen_fraction=split["seen_fraction"], labeled_fraction=split["labeled_fraction"],
+              seen_classes=_csv_list(split["seen_classes"]))  # fmt: skip
+    B.protocol_split(adata, labels_key, **kw)  # validate now
+
+    def make(s):
+        return B.protocol_split(adata, labels_key, seed=s, name=f"{name}_protocol", **kw)
+
+    return B.TaskSpec(f"{name}_protocol", "protocol", make, h5ad)
+
+
+def _builtin_specs(suite: str, data_dir: str | None, quick: bool, tasks: tuple[str, ...]):
+    """The built-in tasks (or the development suite), those named by ``--task`` only."""
+    from . import benchmark as B
+
+    if suite == "dev":
+        specs = B.dev_suite(data_dir, large=not quick)
+    else:
+        specs = B.builtin_tasks(None if quick else data_dir)
+    if quick:
+        keep = ("pbmc68k_protocol", "sim_query150", "sim_speed_1k_1k")
+        specs = [s for s in specs if s.name in keep]
+    if tasks:
+        missing = sorted(set(tasks) - {s.name for s in specs})
+        if missing:
+            avail = ", ".join(s.name for s in specs)
+            raise CliError(
+                f"unknown --task {missing}; available here: {avail} (more with --data-dir)."
+            )
+        specs = [s for s in specs if s.name in tasks]
+    return specs
+
+
+def _write_benchmark(result, out: Path, dev: bool) -> dict:
+    """The report files, written into a temporary folder beside ``out`` and moved in."""
+    import shutil
+    import tempfile
+
+    from . import benchmark as B
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.resolve().parent))
+    try:
+        paths = B.write_report(result, tmp)
+        if dev:
+            paths["suite"] = tmp / "suite.md"
+            paths["suite"].write_text(B.suite_markdown(result.runs, result.settings))
+        out.mkdir(exist_ok=True)
+        for p in paths.values():
+            os.replace(p, out / p.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return paths
 
 
 main.add_command(vision)

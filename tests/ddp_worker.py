@@ -42,7 +42,7 @@ def _one_step(data, cfg, comm, layout="dense", n=300, sizes=None):
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from orca_sc._train import _losses
+    from orca_sc._train import Phase, _losses
     from orca_sc.module import OrcaNet
 
     shape = (len(data.domain_names), data.X.shape[1])
@@ -61,7 +61,7 @@ def _one_step(data, cfg, comm, layout="dense", n=300, sizes=None):
     net.train()
     torch.manual_seed(1)
     gen = torch.Generator().manual_seed(2)
-    loss = _losses(model, cells.batch(rows), y, 0.2, True, cfg, gen, None, None, None, shard)
+    loss = _losses(model, cells.batch(rows), y, 0.2, Phase(full=True), cfg, gen, shard)
     loss[0].backward()
     grads = {k: p.grad.detach().clone() for k, p in net.named_parameters()}
     stats = {k: v.detach().clone() for k, v in net.state_dict().items() if "running" in k}

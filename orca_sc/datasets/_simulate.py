@@ -8,6 +8,8 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from .._errors import OrcaInputError
+
 _CHUNK = 10_000
 
 
@@ -48,73 +50,36 @@ def simulate(
     Returns an AnnData with ``obs['cell_type']`` (``type_0`` largest), ``obs['batch']`` and the
     true per-type mean profile in ``varm['type_means']``.
     """
-    import anndata as ad
-
-    if n_types < 1 or n_cells < n_types or n_genes < markers_per_type:
-        msg = "simulate needs n_types >= 1, n_cells >= n_types and n_genes >= markers_per_type."
-        raise ValueError(msg)
+    _check(n_cells, n_genes, n_types, markers_per_type, subtype_of)
     subtype_of = dict(subtype_of or {})
-    for t, p in subtype_of.items():
-        if not (0 <= t < n_types and 0 <= p < n_types) or t == p or p in subtype_of:
-            msg = (
-                f"subtype_of maps type codes in [0, {n_types}) to a different parent that is "
-                f"not itself a subtype; got {t} -> {p}."
-            )
-            raise ValueError(msg)
     n_sub = markers_per_type // 2 if subtype_markers is None else subtype_markers
     rng = np.random.default_rng(seed)
-    base = rng.gamma(0.4, 1.0, n_genes) + 1e-3  # (G,)
-    log_means = np.tile(np.log(base), (n_types, 1))  # (T, G)
-    for t in range(n_types):
-        up = rng.choice(n_genes, markers_per_type, replace=False)
-        log_means[t, up] += np.log(marker_fold) * rng.lognormal(0.0, 0.3, markers_per_type)
-        down = rng.choice(n_genes, markers_per_type // 4, replace=False)
-        log_means[t, down] -= np.log(marker_fold)
+    profiles = _profiles(rng, n_genes, n_types, markers_per_type, marker_fold)
     if subtype_of:  # drawn after the other programs, which stay those of the same seed without
         sub_rng = np.random.default_rng([seed, 1])
         for t, p in sorted(subtype_of.items()):
-            log_means[t] = log_means[p]
+            profiles[t] = profiles[p]
             up = sub_rng.choice(n_genes, n_sub, replace=False)
-            log_means[t, up] += np.log(marker_fold) * sub_rng.lognormal(0.0, 0.3, n_sub)
-    profiles = np.exp(log_means)
+            profiles[t, up] += np.log(marker_fold) * sub_rng.lognormal(0.0, 0.3, n_sub)
+    profiles = np.exp(profiles)
     profiles /= profiles.sum(axis=1, keepdims=True)  # (T, G) expression fractions
     weights = imbalance ** (-np.arange(n_types) / max(n_types - 1, 1))
     props = weights / weights.sum()
     types = np.repeat(np.arange(n_types), rng.multinomial(n_cells - n_types, props) + 1)
     types = rng.permutation(types)
-    if batch_weights is None:
-        batches = rng.integers(0, n_batches, n_cells)
-    else:
-        w = np.asarray(batch_weights, dtype=float)
-        if w.shape != (n_batches,) or (w < 0).any() or w.sum() <= 0:
-            msg = f"batch_weights needs {n_batches} non-negative numbers, got {batch_weights}."
-            raise ValueError(msg)
-        batches = rng.choice(n_batches, n_cells, p=w / w.sum())
+    batches = _batches(rng, n_cells, n_batches, batch_weights)
     batch_gene = np.exp(rng.normal(0.0, batch_strength, (n_batches, n_genes)))  # (NB, G)
     batch_gene[0] = 1.0 if n_batches == 1 else batch_gene[0]
     batch_lib = np.exp(rng.normal(0.0, batch_strength, n_batches))
     lib = library_size * rng.lognormal(0.0, library_sd, n_cells) * batch_lib[batches]
-
     blocks = []
     for start in range(0, n_cells, _CHUNK):
         sl = slice(start, start + _CHUNK)
         p = profiles[types[sl]] * batch_gene[batches[sl]]
         p /= p.sum(axis=1, keepdims=True)
-        mu = p * lib[sl, None]
-        lam = rng.gamma(dispersion, mu / dispersion)
+        lam = rng.gamma(dispersion, p * lib[sl, None] / dispersion)
         blocks.append(sp.csr_matrix(rng.poisson(lam).astype(np.float32)))
-    X = sp.vstack(blocks, format="csr")
-    obs = pd.DataFrame(
-        {
-            "cell_type": pd.Categorical(
-                [f"type_{t}" for t in types], categories=[f"type_{t}" for t in range(n_types)]
-            ),
-            "batch": pd.Categorical([f"batch_{b}" for b in batches]),
-        },
-        index=[f"cell_{i}" for i in range(n_cells)],
-    )
-    var = pd.DataFrame(index=[f"gene_{g}" for g in range(n_genes)])
-    adata = ad.AnnData(X=X, obs=obs, var=var)
+    adata = _as_anndata(sp.vstack(blocks, format="csr"), types, batches, n_types, n_genes)
     adata.varm["type_means"] = profiles.T.astype(np.float32)
     adata.uns["simulation"] = {
         "n_types": n_types,
@@ -127,3 +92,56 @@ def simulate(
         "seed": seed,
     }
     return adata
+
+
+def _check(n_cells, n_genes, n_types, markers_per_type, subtype_of) -> None:
+    if n_types < 1 or n_cells < n_types or n_genes < markers_per_type:
+        msg = "simulate needs n_types >= 1, n_cells >= n_types and n_genes >= markers_per_type."
+        raise OrcaInputError(msg)
+    for t, p in dict(subtype_of or {}).items():
+        if not (0 <= t < n_types and 0 <= p < n_types) or t == p or p in subtype_of:
+            msg = (
+                f"subtype_of maps type codes in [0, {n_types}) to a different parent that is "
+                f"not itself a subtype; got {t} -> {p}."
+            )
+            raise OrcaInputError(msg)
+
+
+def _profiles(rng, n_genes: int, n_types: int, markers: int, fold: float) -> np.ndarray:
+    """Log mean expression ``(T, G)``: a Gamma baseline, each type's up- and down-regulated
+    program.
+    """
+    base = rng.gamma(0.4, 1.0, n_genes) + 1e-3  # (G,)
+    log_means = np.tile(np.log(base), (n_types, 1))  # (T, G)
+    for t in range(n_types):
+        up = rng.choice(n_genes, markers, replace=False)
+        log_means[t, up] += np.log(fold) * rng.lognormal(0.0, 0.3, markers)
+        down = rng.choice(n_genes, markers // 4, replace=False)
+        log_means[t, down] -= np.log(fold)
+    return log_means
+
+
+def _batches(rng, n_cells: int, n_batches: int, batch_weights) -> np.ndarray:
+    if batch_weights is None:
+        return rng.integers(0, n_batches, n_cells)
+    w = np.asarray(batch_weights, dtype=float)
+    if w.shape != (n_batches,) or (w < 0).any() or w.sum() <= 0:
+        msg = f"batch_weights needs {n_batches} non-negative numbers, got {batch_weights}."
+        raise OrcaInputError(msg)
+    return rng.choice(n_batches, n_cells, p=w / w.sum())
+
+
+def _as_anndata(X, types, batches, n_types: int, n_genes: int):
+    import anndata as ad
+
+    obs = pd.DataFrame(
+        {
+            "cell_type": pd.Categorical(
+                [f"type_{t}" for t in types], categories=[f"type_{t}" for t in range(n_types)]
+            ),
+            "batch": pd.Categorical([f"batch_{b}" for b in batches]),
+        },
+        index=[f"cell_{i}" for i in range(len(types))],
+    )
+    var = pd.DataFrame(index=[f"gene_{g}" for g in range(n_genes)])
+    return ad.AnnData(X=X, obs=obs, var=var)

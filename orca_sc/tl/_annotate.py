@@ -29,98 +29,47 @@ def annotate(
 ):
     """Assign every cell to a known cell type or to a newly discovered novel cluster (ORCA).
 
-    Trains one model on labelled and unlabelled cells together (Cao, Brbić & Leskovec, ICLR 2022)
-    and annotates the unlabelled ones. Two ways to call it:
-
-    * ``annotate(query, reference, labels_key=...)``: the reference's ``obs[labels_key]`` holds the
-      known types, every query cell is annotated;
-    * ``annotate(adata, labels_key=...)``: cells whose label is NaN or one of
-      ``unlabeled_category`` are the query, the others the reference.
-
-    The method runs as stages (:func:`orca_sc._pipeline.fit`): prepare the data, align batches,
-    a supervised warm-up, discover candidate novel clusters, the open-world fit; the model
-    (:func:`orca_sc._model.train`) then names the clusters and scores novelty, and this function
-    writes the results. Under ``torchrun`` every process gets the annotation and only rank 0
-    saves the model.
+    Trains one model on labelled and unlabelled cells together (Cao, Brbić & Leskovec, ICLR
+    2022): ``annotate(query, reference, labels_key=...)`` annotates every query cell;
+    ``annotate(adata, labels_key=...)`` the cells whose label is missing (NaN, ``""``, "nan",
+    "none", "null", "<NA>" in any case, or ``unlabeled_category``). Bad input raises
+    :class:`orca_sc.OrcaInputError`. Under ``torchrun`` rank 0 saves the model.
 
     Parameters
     ----------
     adata
-        Cells to annotate (raw counts or log-normalised values in ``.X`` or ``layer``). Only the
-        fields listed under Returns are written (nothing with ``copy=True``); the expression
-        matrices of ``adata`` and ``reference`` are never modified. Options are checked before
-        the data are read; bad input raises :class:`orca_sc.OrcaInputError` (a
-        :class:`ValueError`) saying what is wrong.
+        Cells to annotate (counts or log-normalised values); only the fields below are written.
     reference
         Labelled reference AnnData; genes are matched by name.
     labels_key
-        ``obs`` column with the cell types. ``NaN``, ``None`` and the strings ``""``, ``"nan"``,
-        ``"none"``, ``"null"``, ``"<NA>"`` (any case, as a NaN looks once a column was turned
-        into strings) mean unlabelled, like ``unlabeled_category``. A class named like a
-        novel cluster (``novel_1``: an annotated query used as a reference) stays a known type;
-        the run's own novel clusters are numbered past it.
-    n_novel
-        Expected number of novel types, or ``"auto"`` (default) to estimate it from the data.
-        Novel heads that receive no cells are dropped from the output.
-    n_genes
-        Number of highly variable genes to train on (default 2000; ``None``: all shared genes).
-    layer
-        Use ``layers[layer]`` instead of ``.X`` (in both AnnData objects).
-    batch_key
-        ``obs`` column with batches, for batch-aware gene selection and alignment.
-    unlabeled_category
-        Label values that mean "unlabelled" (default ``("Unknown",)``).
+        ``obs`` column with the cell types.
+    n_novel, n_genes, layer, batch_key, unlabeled_category
+        The :class:`~orca_sc.OrcaConfig` fields: novel heads or ``"auto"``, highly variable
+        genes or ``None``, expression layer, batch column, labels meaning "unlabelled".
     key_added
-        Prefix of the fields written (see Returns).
+        Prefix of the fields written.
     copy
         Return an annotated copy instead of writing into ``adata``.
     save_model
-        Save the trained :class:`orca_sc.OrcaModel` to this file (for ``tl.predict`` or
-        ``orca-sc predict``). To keep the model in Python, use :meth:`orca_sc.OrcaModel.fit`.
-    config
-        A full :class:`orca_sc.OrcaConfig`. Every keyword given explicitly (those above and any
-        :class:`~orca_sc.OrcaConfig` or :class:`~orca_sc.DiscoveryConfig` field in ``**kwargs``:
-        ``epochs``, ``seed``, ``device``, ``merge_threshold``, ...) wins over it.
+        Save the trained :class:`orca_sc.OrcaModel` here (for ``tl.predict``).
+    config, **kwargs
+        A full :class:`~orca_sc.OrcaConfig`; any of its fields or of
+        :class:`~orca_sc.DiscoveryConfig`'s given as keywords win over it.
 
     Returns
     -------
-    The annotated copy if ``copy``, else ``None``. Writes to ``adata``:
-
-    ``obs['{key_added}_label']``
-        Categorical, every cell: a reference cell type or a novel cluster ``novel_1``, ``novel_2``,
-        ... (numbered by size, largest first).
-    ``obs['{key_added}_novel']``
-        Categorical: the novel cluster for cells in novel clusters, NaN for cells of known types.
-    ``obs['{key_added}_confidence']``
-        Maximum softmax probability (0-1).
-    ``obs['{key_added}_novelty']``
-        How unlike every known type the cell is (0-1): the share of the reference's labelled
-        cells that are less similar to their nearest seen head than this cell is to its own,
-        subtracted from 1 (cosine in the model's embedding). About uniform on cells of known
-        types; near 1 for cells less like any known type than almost every labelled cell.
-    ``obsm['X_{key_added}']``
-        The L2-normalised cell embedding of the backbone.
-    ``uns['{key_added}']``
-        ``params`` (the configuration with its ``discovery`` rules, and ``labels_key``),
-        ``mode`` (``"single"`` or ``"reference"``), ``seen_classes``, ``novel_cluster_sizes``
-        (unlabelled cells per novel cluster), ``novel_similarity`` (each novel cluster's
-        expression correlation with each known type), ``merged_into_known`` (novel clusters
-        reported as a known type of another batch: columns ``cluster``, ``type``, ``n_cells``,
-        ``correlation``), ``n_novel`` (requested / estimated / heads used / found), ``estimate``
-        (what the discover stage found: candidate sizes, how many came from query-batch
-        clusters, cells supported by labels and label deserts, anchored cells,
-        the Leiden resolution and its calibration scores, the threshold), ``self_check`` (with
-        ``self_check=True``: the known types hidden, the share of their cells the discover rules
-        called novel, the share of held-out known-type cells they called novel, the hidden
-        types' clustering accuracy, clusters found against types hidden, the threshold beside
-        the best cut on the hidden cells (Youden), and notes), ``input_scale``
-        (detected per input), ``alignment`` (method and batches), ``data`` (labelled and
-        unlabelled cells, shared and used genes), ``history`` (per-epoch losses, uncertainty,
-        margin, warm-up and anchor flags, steps), ``training`` (epochs, steps, seconds of
-        training and of discovery, device), ``seed`` and ``version``. Every field can be
-        written with ``adata.write_h5ad``.
+    The annotated copy if ``copy``, else ``None``. Writes ``obs['{key_added}_label']`` (a type or
+    ``novel_1``, ``novel_2``, ... by size), ``obs['{key_added}_novel']`` (NaN for known types),
+    ``obs['{key_added}_confidence']`` (max softmax), ``obs['{key_added}_novelty']`` (0-1),
+    ``obsm['X_{key_added}']`` (embedding), ``uns['{key_added}']``: ``params``, ``mode``,
+    ``seen_classes``, ``novel_cluster_sizes``, ``novel_similarity``, ``merged_into_known``,
+    ``n_novel``, ``estimate``, ``self_check``, ``input_scale``, ``alignment``, ``data``,
+    ``history``, ``training``, ``seed``, ``version`` (see the README's Outputs).
 
     """
+    from .._dist import main_process
+    from .._model import train
+
     cfg = resolve_config(
         config,
         "annotate()",
@@ -133,9 +82,6 @@ def annotate(
     )
     model_path = check_output_path(save_model, "save_model")
     adata = adata.copy() if copy else adata
-    from .._dist import main_process
-    from .._model import train
-
     model, result = train(adata, reference, labels_key, cfg)
     write_fields(
         adata, key_added, result.labels, result.confidence, result.novelty, result.embedding,
