@@ -34,29 +34,28 @@ class CliError(click.ClickException):
     exit_code = EXIT_BAD_INPUT
 
 
+def _usage_in_one_line(parse, ctx: click.Context, args: list[str], command: str) -> list[str]:
+    """``parse(ctx, args)`` with click's usage errors turned into one ``Error:`` line."""
+    try:
+        return parse(ctx, args)
+    except click.UsageError as e:
+        if ctx.resilient_parsing:
+            raise
+        raise CliError(f"{e.format_message()} See '{command} --help'.") from None
+
+
 class Command(click.Command):
     """Usage errors (missing argument, bad option value) on one line, like every other error."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as e:
-            if ctx.resilient_parsing:
-                raise
-            msg = f"{e.format_message()} See 'orca-sc {ctx.info_name} --help'."
-            raise CliError(msg) from None
+        return _usage_in_one_line(super().parse_args, ctx, args, f"orca-sc {ctx.info_name}")
 
 
 class Group(click.Group):
     command_class = Command
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as e:
-            if ctx.resilient_parsing:
-                raise
-            raise CliError(f"{e.format_message()} See 'orca-sc --help'.") from None
+        return _usage_in_one_line(super().parse_args, ctx, args, "orca-sc")
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         try:
