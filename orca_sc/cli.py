@@ -537,8 +537,9 @@ def _csv_list(value: str | None, cast=str) -> list | None:
     default="builtin",
     show_default=True,
     help="builtin: the shared real tasks; dev: the development suite (real tasks both ways, "
-    "the protocol, and a simulator sweep over query size, labels, novel types, batch strength "
-    "and imbalance), reported in suite.md.",
+    "their hard corners: novel types beside a close known type, 5-25 labels per type, queries "
+    "of 15 cells per type, queries without novel types; the protocol, and a simulator sweep), "
+    "reported in suite.md with the seed spread and the worst task per goal.",
 )
 @click.option(
     "--scaling/--no-scaling",

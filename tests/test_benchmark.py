@@ -6,11 +6,14 @@ import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from conftest import SHARED_DATA
 
 import orca_sc
 from orca_sc import OrcaInputError
 from orca_sc import benchmark as B
 from orca_sc.cli import main
+
+SHARED = SHARED_DATA
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +201,98 @@ def test_dev_suite_cli_reports_novel_calls_and_estimates(tmp_path):
     md = (out / "suite.md").read_text()
     assert "| sim_query150 | ORCA |" in md and "known->novel" in md
     assert "## Number of novel types (ORCA, every run)" in md and md in r.stdout
+
+
+# ------------------------------------------------------------------ the suite's hard corners
+@pytest.fixture(scope="module")
+def nested():
+    """Six types; type_4 is a subtype of type_0 and type_5 of type_1 (their nearest types)."""
+    a = orca_sc.datasets.simulate(
+        1500, 400, 6, markers_per_type=30, marker_fold=5.0, n_batches=2,
+        subtype_of={4: 0, 5: 1}, imbalance=2.0, seed=2,
+    )  # fmt: skip
+    a.obs["batch"] = a.obs["batch"].astype(str)
+    return a
+
+
+def test_sibling_types_are_the_nearest_to_a_known_type(nested):
+    from orca_sc.benchmark._hard import class_similarity, sibling_types
+
+    classes, sim = class_similarity(nested, "cell_type")
+    assert sim.shape == (6, 6) and np.allclose(np.diag(sim), 1.0)
+    # each subtype's nearest other type is its parent
+    for child, parent in (("type_4", "type_0"), ("type_5", "type_1")):
+        row = sim[classes.index(child)].copy()
+        row[classes.index(child)] = -np.inf
+        assert classes[int(np.argmax(row))] == parent
+    assert sibling_types(nested, "cell_type") == ["type_4", "type_5"]
+
+
+def test_sibling_split_in_a_separate_query(nested):
+    from orca_sc.benchmark._hard import sibling_split
+
+    by_batch = sibling_split(nested, "cell_type", batch_key="batch", reference_batch="batch_0")
+    assert by_batch.novel == ["type_4", "type_5"] and not by_batch.single
+    assert set(by_batch.reference.obs["batch"]) == {"batch_0"}
+    assert set(by_batch.query.obs["batch"]) == {"batch_1"}
+    assert set(by_batch.reference.obs["cell_type"].astype(str)).isdisjoint(by_batch.novel)
+    halves = [sibling_split(nested, "cell_type", seed=s) for s in (0, 1)]
+    for t in halves:  # without batches: a random half of the cells is the query
+        assert 0.4 < t.query.n_obs / nested.n_obs < 0.6 and t.novel == ["type_4", "type_5"]
+        assert set(t.reference.obs["cell_type"].astype(str)).isdisjoint(t.novel)
+    assert not np.array_equal(halves[0].query.obs_names, halves[1].query.obs_names)
+
+
+def test_few_labels_tiny_query_and_known_only(nested):
+    from orca_sc.benchmark._hard import few_labels, known_only, sibling_split, tiny_query
+
+    task = sibling_split(nested, "cell_type", batch_key="batch", reference_batch="batch_0")
+    few = few_labels(task, 5, "few5")
+    counts = few.reference.obs["cell_type"].value_counts()
+    assert few.name == "few5" and set(counts.index) == set(task.seen) and counts.max() == 5
+    assert few.query.n_obs == task.query.n_obs
+    assert few_labels(task, 5, "few5").reference.obs_names.equals(few.reference.obs_names)
+    tiny = tiny_query(task, 15, "tiny")
+    per = pd.Series(tiny.truth).value_counts()
+    assert per.max() == 15 and set(per.index) == set(task.truth)
+    assert tiny.reference.n_obs == task.reference.n_obs
+    none = known_only(task, "none")
+    assert none.novel == [] and none.query.n_obs == np.isin(task.truth, task.seen).sum()
+    with pytest.raises(OrcaInputError, match="separate-query task"):
+        few_labels(B.protocol_split(nested, "cell_type", seed=0), 5, "x")
+
+
+def test_suite_table_reports_seed_spread_and_the_worst_task():
+    from orca_sc.benchmark._suite import suite_table, worst_tasks
+
+    rows = []
+    for task, called, known, found in (("a", (1.0, 0.8), (0.0, 0.1), (2, 2)),
+                                       ("b", (0.95, 0.95), (0.02, 0.02), (2, 3))):  # fmt: skip
+        for seed in (0, 1):
+            rows.append({"task": task, "method": "ORCA", "seed": seed, "n_query": 100,
+                         "seen_acc": 0.9, "novel_acc": 0.8, "all_acc": 0.85,
+                         "novel_called": called[seed], "known_called_novel": known[seed],
+                         "novel_found": found[seed], "novel_true": 2, "seconds": 1.0,
+                         "error": ""})  # fmt: skip
+    t = suite_table(pd.DataFrame(rows)).set_index("task")
+    assert t.loc["a", "novel_called"] == pytest.approx(0.9)
+    assert t.loc["a", "novel_called_sd"] == pytest.approx(0.1)
+    assert t.loc["b", "novel_called_sd"] == 0 and t.loc["b", "found_exact"] == 0.5
+    lines = "\n".join(worst_tasks(t.reset_index()))
+    assert "novel_called: worst a 0.900; 2 of 2 tasks meet >= 0.9" in lines
+    assert "known_called_novel: worst a 0.050; 2 of 2 tasks meet <= 0.05" in lines
+    assert "found_exact: worst b 0.500; 1 of 2 tasks meet >= 0.7" in lines
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="shared data absent")
+def test_the_dev_suite_holds_the_hard_corners_of_the_real_data():
+    specs = {s.name: s for s in B.dev_suite(SHARED, large=False)}
+    for name in ("sibling_baron", "sibling_mca", "sibling_pbmc68k", "few5_baron", "few25_mca",
+                 "tiny_pbmc", "none_pbmc_dropseq_to_indrops", "none_baron"):  # fmt: skip
+        assert name in specs, sorted(specs)
+    t = specs["sibling_baron"].make(0)
+    assert t.novel and set(t.novel).isdisjoint(t.seen)
+    none = specs["none_baron"].make(0)
+    assert none.novel == [] and none.query.n_obs > 500
+    tiny = specs["tiny_pbmc"].make(1)
+    assert pd.Series(tiny.truth).value_counts().max() <= 15
