@@ -304,14 +304,17 @@ def read_selected(
             yield pos, m[rows - lo]
 
     stats = GeneStats(len(domain_names), n_shared)
-    stored = np.zeros(n_shared, dtype=np.int64)  # stored values per gene: the selected size
+    # stored values per gene: the size of the scratch file (one process, input on disk)
+    stored = np.zeros(n_shared, dtype=np.int64)
+    count = streamed and not multi
 
     def first_pass() -> None:
         for i, inp in enumerate(inputs):
             for pos, m in rows_of(i):
                 sub = m[:, inp.cols]
                 stats.add(sub, domain[pos])
-                stored[:] += np.bincount(sub.indices, minlength=n_shared)
+                if count:
+                    stored[:] += np.bincount(sub.indices, minlength=n_shared)
 
     if not multi:
         first_pass()

@@ -154,16 +154,12 @@ class OrcaModel:
         offset: np.ndarray,
         device: str | None = None,
     ) -> Prediction:
-        dev = resolve_device(device or self.config.device)
-        return self.predict_cells(CellMatrix(X, domain, scale, offset, dev))
-
-    def predict_cells(self, cells: CellMatrix, comm: Any = None) -> Prediction:
-        """:meth:`predict_arrays` on a training matrix already on the device (no second copy of
-        the matrix: at 100,000 cells x 2,000 genes that copy was 1 GiB of peak memory).
-        ``comm``: several processes share the work (:mod:`orca_sc._dist`).
+        """Head probabilities, embedding and head of the cells of ``X`` (log-normalised, the
+        model's genes), aligned per batch (``domain``) by ``scale`` and ``offset``.
         """
+        cells = CellMatrix(X, domain, scale, offset, resolve_device(device or self.config.device))
         self.net.to(cells.device)
-        probs, emb = infer(self.net, cells, comm=comm)
+        probs, emb = infer(self.net, cells)
         return Prediction(probs, emb, self.assign_heads(probs))
 
     def assign_heads(self, probs: np.ndarray) -> np.ndarray:

@@ -176,14 +176,13 @@ class MemoryReader:
 
 
 def open_matrix(
-    adata: Any, layer: str | None, what: str, target_sum: float, rows: np.ndarray | None = None
+    adata: Any, layer: str | None, what: str, target_sum: float
 ) -> ChunkReader | MemoryReader:
     """A reader of the expression matrix of ``adata``: chunks of log-normalised cells, from disk
-    (:class:`ChunkReader`, the rows ``rows`` of it when given: a process's share) or from memory
-    (:class:`MemoryReader`, every row).
+    (:class:`ChunkReader`) or from memory (:class:`MemoryReader`).
     """
     if on_disk(adata, layer):
-        return ChunkReader(adata, layer, what, target_sum, rows=rows, require_values=rows is None)
+        return ChunkReader(adata, layer, what, target_sum)
     return MemoryReader(adata, layer, what, target_sum)
 
 

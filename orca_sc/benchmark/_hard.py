@@ -23,7 +23,7 @@ import scipy.sparse as sp
 
 from .._errors import OrcaInputError
 from ._splits import Task, _labels, batch_split
-from ._tasks import BARON_HIDDEN, TaskSpec, _read
+from ._tasks import TaskSpec, _baron, _pbmc_tech, _read, read_pbmc68k, read_tm
 
 #: the novel types of a sibling split: about this share of the types (at least one)
 SIBLING_SHARE = 0.25
@@ -136,9 +136,9 @@ def tiny_query(task: Task, per_type: int, name: str) -> Task:
     """``task`` with at most ``per_type`` query cells of each true type (drawn with the task's
     seed).
     """
-    keep = _per_type(task.truth, per_type, np.random.default_rng([task.seed, 6]))
     if task.single:
         raise OrcaInputError("tiny_query takes a separate-query task, not a protocol split.")
+    keep = _per_type(task.truth, per_type, np.random.default_rng([task.seed, 6]))
     out = replace(task, name=name, query=task.query[keep].copy(), info=dict(task.info))
     out.info["query_per_type"] = per_type
     return out
@@ -153,31 +153,8 @@ def known_only(task: Task, name: str) -> Task:
 
 
 # ----------------------------------------------------------------------------- the tasks
-def _tm_all(path: Path) -> Any:
-    a = _read(path)
-    return a[a.obs["cell_type"] != "unannotated"].copy()  # removed by the consortium's QC
-
-
-def _pbmc68k() -> Any:
-    import scanpy as sc
-
-    a = sc.datasets.pbmc68k_reduced().raw.to_adata()
-    a.obs["cell_type"] = a.obs["bulk_labels"].astype(str)
-    return a
-
-
 def _sibling(load, name: str, seed: int, **kw) -> Task:
     return sibling_split(load(), "cell_type", seed=seed, name=name, **kw)
-
-
-def _baron(path: Path, seed: int, hidden=BARON_HIDDEN) -> Task:
-    return batch_split(_read(path), "cell_type", "batch", ["mouse1"], novel_classes=hidden,
-                       seed=seed, name="baron")  # fmt: skip
-
-
-def _pbmc_tech(path: Path, seed: int, reference: str = "Drop-seq", hidden=("B cell",)) -> Task:
-    return batch_split(_read(path), "cell_type", "batch", [reference], novel_classes=hidden,
-                       seed=seed, name="pbmc")  # fmt: skip
 
 
 def _then(build, change, seed: int) -> Task:
@@ -200,20 +177,20 @@ def hard_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
 
     sib = {}  # sibling builders by dataset, reused by the few-label and tiny-query tasks
     if have("tm_facs_scfind.h5ad"):
-        sib["tm"] = partial(_sibling, partial(_tm_all, d / "tm_facs_scfind.h5ad"), "sibling_tm")
+        sib["tm"] = partial(_sibling, partial(read_tm, d / "tm_facs_scfind.h5ad"), "sibling_tm")
     if have("baron_mouse.h5ad"):
         sib["baron"] = partial(_sibling, partial(_read, d / "baron_mouse.h5ad"),
                                "sibling_baron", batch_key="batch", reference_batch="mouse1")  # fmt: skip
     for file, key in (("mca_bladder.h5ad", "mca"), ("worm_neuron.h5ad", "worm")):
         if have(file):
             sib[key] = partial(_sibling, partial(_read, d / file), f"sibling_{key}")
-    sib["pbmc68k"] = partial(_sibling, _pbmc68k, "sibling_pbmc68k")
+    sib["pbmc68k"] = partial(_sibling, read_pbmc68k, "sibling_pbmc68k")
     for key, build in sib.items():
         add(f"sibling_{key}", "sibling", build,
             f"{key}: novel types = those nearest to a known type, separate query")  # fmt: skip
     few_sources = {k: sib[k] for k in ("mca", "pbmc68k") if k in sib}
     if have("baron_mouse.h5ad"):
-        few_sources = {"baron": partial(_baron, d / "baron_mouse.h5ad"), **few_sources}
+        few_sources = {"baron": partial(_baron, d / "baron_mouse.h5ad", "baron"), **few_sources}
     for key, build in few_sources.items():
         for n in (5, 10, 25):
             name = f"few{n}_{key}"
@@ -222,7 +199,7 @@ def hard_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
                 f"{key}: {n} labelled reference cells per known type")  # fmt: skip
     tiny_sources = dict(few_sources)
     if have("scannotate_pbmc.h5ad"):
-        tiny_sources["pbmc"] = partial(_pbmc_tech, d / "scannotate_pbmc.h5ad")
+        tiny_sources["pbmc"] = partial(_pbmc_tech, d / "scannotate_pbmc.h5ad", "pbmc")
     for key, build in tiny_sources.items():
         name = f"tiny_{key}"
         add(name, "tiny query", partial(_then, build, partial(tiny_query, per_type=15, name=name)),
@@ -230,11 +207,11 @@ def hard_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
     if have("scannotate_pbmc.h5ad"):
         for ref, other in (("Drop-seq", "inDrops"), ("inDrops", "Drop-seq")):
             name = f"none_pbmc_{ref.lower().replace('-', '')}_to_{other.lower().replace('-', '')}"
-            build = partial(_pbmc_tech, d / "scannotate_pbmc.h5ad", reference=ref, hidden=())
+            build = partial(_pbmc_tech, d / "scannotate_pbmc.h5ad", name, reference=ref, hidden=())
             add(name, "no novel", partial(_then, build, partial(known_only, name=name)),
                 f"PBMC {ref} -> {other}, every query type known")  # fmt: skip
     if have("baron_mouse.h5ad"):
-        build = partial(_baron, d / "baron_mouse.h5ad", hidden=())
+        build = partial(_baron, d / "baron_mouse.h5ad", "none_baron", hidden=())
         add("none_baron", "no novel", partial(_then, build, partial(known_only, name="none_baron")),
             "pancreas mouse 1 -> mouse 2, query types absent from the reference removed")  # fmt: skip
     return specs

@@ -26,25 +26,33 @@ def _read(path: Path):
     return ad.read_h5ad(path)
 
 
-def _tm(path: Path, name: str, seed: int, reference: str = "Kidney") -> Task:
+def read_tm(path: Path):
+    """The Tabula Muris cells with an annotation (``unannotated``: removed by the QC)."""
     a = _read(path)
-    a = a[a.obs["cell_type"] != "unannotated"].copy()  # removed by the consortium's QC
-    return batch_split(a, "cell_type", "tissue", [reference], seed=seed, name=name)
+    return a[a.obs["cell_type"] != "unannotated"].copy()
+
+
+def _tm(path: Path, name: str, seed: int, reference: str = "Kidney") -> Task:
+    return batch_split(read_tm(path), "cell_type", "tissue", [reference], seed=seed, name=name)
 
 
 BARON_HIDDEN = ("ductal", "endothelial", "quiescent_stellate", "macrophage")
 
 
-def _baron(path: Path, name: str, seed: int, reference: str = "mouse1") -> Task:
+def _baron(
+    path: Path, name: str, seed: int, reference: str = "mouse1", hidden=BARON_HIDDEN
+) -> Task:
     return batch_split(
-        _read(path), "cell_type", "batch", [reference], novel_classes=BARON_HIDDEN, seed=seed,
+        _read(path), "cell_type", "batch", [reference], novel_classes=hidden, seed=seed,
         name=name,
     )  # fmt: skip
 
 
-def _pbmc_tech(path: Path, name: str, seed: int, reference: str = "Drop-seq") -> Task:
+def _pbmc_tech(
+    path: Path, name: str, seed: int, reference: str = "Drop-seq", hidden=("B cell",)
+) -> Task:
     return batch_split(
-        _read(path), "cell_type", "batch", [reference], novel_classes=["B cell"], seed=seed,
+        _read(path), "cell_type", "batch", [reference], novel_classes=hidden, seed=seed,
         name=name,
     )  # fmt: skip
 
@@ -53,13 +61,18 @@ def _protocol_file(path: Path, name: str, seed: int) -> Task:
     return protocol_split(_read(path), "cell_type", seed=seed, name=name)
 
 
-def pbmc68k(seed: int) -> Task:
-    """The paper's protocol on scanpy's pbmc68k_reduced (log-normalised values of 765 genes)."""
+def read_pbmc68k():
+    """Scanpy's pbmc68k_reduced: log-normalised values of 765 genes, ``obs['cell_type']``."""
     import scanpy as sc
 
     a = sc.datasets.pbmc68k_reduced().raw.to_adata()
     a.obs["cell_type"] = a.obs["bulk_labels"].astype(str)
-    return protocol_split(a, "cell_type", seed=seed, name="pbmc68k_protocol")
+    return a
+
+
+def pbmc68k(seed: int) -> Task:
+    """The paper's protocol on scanpy's pbmc68k_reduced (log-normalised values of 765 genes)."""
+    return protocol_split(read_pbmc68k(), "cell_type", seed=seed, name="pbmc68k_protocol")
 
 
 #: (file in the data directory, task name, kind, builder(path, name, seed), description)
