@@ -22,6 +22,8 @@ class Annotation:
     embedding: np.ndarray  # (n, D)
     novel_names: list[str]
     uns: dict[str, Any]
+    pvalue: np.ndarray | None = None  # (n,) conformal novelty p-value (NaN: labelled cell)
+    qvalue: np.ndarray | None = None  # (n,) its Benjamini-Hochberg q-value over the query
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,52 @@ class Naming:
     order: list[int]
 
 
+@dataclass(frozen=True)
+class NoveltyTest:
+    """The conformal novelty test of a run (:mod:`orca_sc._conformal`): every cell's p- and
+    q-value (NaN for labelled cells), its record for ``uns`` and notes for the user.
+    """
+
+    pvalue: np.ndarray
+    qvalue: np.ndarray
+    record: dict[str, Any]
+    notes: list[str]
+
+
+def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.ndarray,
+                 novel_names: list[str], cfg: Any) -> NoveltyTest | None:  # fmt: skip
+    """``uns['orca']['novelty_test']`` and the q-values from the cross-fitted p-values of the
+    run's cells (``None``: not computed); ``labels``: every cell's output label; ``cfg``: the
+    :class:`orca_sc.DiscoveryConfig`.
+    """
+    from ._conformal import benjamini_hochberg, cluster_support
+
+    if pvalues is None:
+        return None
+    unl = ~labeled
+    qvalues = np.full(pvalues.shape, np.nan)
+    qvalues[unl] = benjamini_hochberg(pvalues[unl])
+    n_cal = int(labeled.sum())
+    import pandas as pd
+
+    clusters = pd.Index(novel_names, dtype=object).get_indexer(labels[unl]).astype(np.int64)
+    alpha = cfg.novelty_alpha
+    table, notes = cluster_support(pvalues[unl], clusters, novel_names, alpha, n_cal)
+    record = {
+        "alpha": alpha,
+        "folds": cfg.novelty_folds,
+        "n_calibration": n_cal,
+        "smallest_pvalue": 1.0 / (n_cal + 1),
+        "share_p_below_alpha": float(np.mean(pvalues[unl] <= alpha)) if unl.any() else 0.0,
+        "share_q_below_alpha": float(np.mean(qvalues[unl] <= alpha)) if unl.any() else 0.0,
+        "clusters": table,
+        "notes": notes,
+    }
+    return NoveltyTest(pvalues, qvalues, record, notes)
+
+
 def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_key: str,
-                 mode: str) -> dict[str, Any]:  # fmt: skip
+                 mode: str, test: NoveltyTest | None = None) -> dict[str, Any]:  # fmt: skip
     """``uns['orca']`` of :func:`orca_sc.tl.annotate` (every field is listed in its docstring).
 
     ``fit``: the :class:`orca_sc._pipeline.Fit`; ``model``: its named
@@ -61,6 +107,7 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
         },
         "estimate": model.estimate,
         "self_check": fit.self_check,
+        "novelty_test": test.record if test is not None else None,
         "input_scale": data.input_scale,
         "alignment": {**fit.transform.info, "batches": data.domain_names},
         "data": data.info,
@@ -70,6 +117,7 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
             "steps": int(sum(h["steps"] for h in fit.history)),
             "seconds": t.training,
             "discovery_seconds": t.discovery,
+            "novelty_test_seconds": t.novelty,
             **fit.training,
         },
         "seed": cfg.seed,

@@ -87,6 +87,10 @@ class DiscoveryConfig:
         A novel cluster whose marker signature correlates this much with a known type of another batch takes its name (``None``: never).
     no_warmup_rel_threshold
         Without a warm-up: clusters with a labelled share below this times the overall one count as novel.
+    novelty_alpha
+        Level of the conformal novelty test: known-type cells exchangeable with the reference get p <= alpha at most this often.
+    novelty_folds
+        Folds of labelled cells cross-fitting the novelty p-values (one warm-up each; 0: no p-values).
 
     """
 
@@ -118,6 +122,8 @@ class DiscoveryConfig:
     core_min_fraction: float = 2 / 3
     merge_threshold: float | None = 0.7
     no_warmup_rel_threshold: float = 0.1
+    novelty_alpha: float = 0.05
+    novelty_folds: int = 5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
@@ -161,6 +167,11 @@ class DiscoveryConfig:
                 _invalid(name, getattr(self, name), "an integer >= 2")
         if not _is_int(self.support_min) or self.support_min < 0:
             _invalid("support_min", self.support_min, "a non-negative integer")
+        if not (_is_number(self.novelty_alpha) and 0 < self.novelty_alpha < 1):
+            _invalid("novelty_alpha", self.novelty_alpha, "a number in (0, 1)")
+        folds = self.novelty_folds
+        if not _is_int(folds) or folds < 0 or folds == 1:
+            _invalid("novelty_folds", folds, "0 (no p-values) or an integer >= 2")
         if not isinstance(self.calibration_probe, bool):
             _invalid("calibration_probe", self.calibration_probe, "True or False")
         if not isinstance(self.self_check, bool):

@@ -16,7 +16,7 @@ import torch
 
 from . import __version__
 from ._align import aligned_group_means, centroid_shift, identity, profile_similarity, standardize
-from ._annotation import Annotation, Naming, annotate_uns, jsonable
+from ._annotation import Annotation, Naming, annotate_uns, jsonable, novelty_test
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
 from ._discover import match_known_types, name_heads
@@ -63,13 +63,19 @@ def train(
     model.similarity = _novel_similarity(fit, head, model.head_names, model.novel_names)
     mode = "single" if reference is None else "reference"
     out = data.output_rows
+    labels = model.labels_for(head)
+    test = novelty_test(fit.novelty_pvalues, labels, data.labeled, model.novel_names, cfg.discovery)
+    for note in test.notes if test is not None else []:
+        logger.warning(note)
     annotation = Annotation(
-        labels=model.labels_for(head)[out],
+        labels=labels[out],
         confidence=fit.probs.max(axis=1)[out],
         novelty=model.novelty(fit.embedding[out]),
         embedding=fit.embedding[out],
         novel_names=model.novel_names,
-        uns=annotate_uns(fit, model, head, naming, labels_key, mode),
+        uns=annotate_uns(fit, model, head, naming, labels_key, mode, test),
+        pvalue=test.pvalue[out] if test is not None else None,
+        qvalue=test.qvalue[out] if test is not None else None,
     )
     return model, annotation
 

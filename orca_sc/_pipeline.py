@@ -20,6 +20,7 @@ import torch
 
 from ._align import class_centroids, compute_transform
 from ._config import OrcaConfig
+from ._conformal import CrossConformal, fold_ids, knn_distance
 from ._data import PreparedData, prepare
 from ._discover import (
     Discovery,
@@ -148,6 +149,7 @@ class Timings:
     warmup: float
     discovery: float
     open_world: float
+    novelty: float = 0.0
 
     @property
     def training(self) -> float:
@@ -174,6 +176,7 @@ class Fit:
     embedding: np.ndarray
     timings: Timings
     training: dict[str, Any]  # device, layout, density, processes
+    novelty_pvalues: np.ndarray | None = None  # (n,) NaN for labelled cells; None: not computed
 
 
 def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> Fit:
@@ -198,13 +201,17 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     for note in [*found.notes, *(check or {}).get("notes", [])]:  # the data cannot support a call
         logger.warning(note)
     probs, embedding = infer(ow.net, run.cells, comm=run.comm)
+    t4 = time.perf_counter()
+    folds = run.config.discovery.novelty_folds
+    pvalues = novelty_pvalues(run, folds) if folds and run.plan.warmup > 0 else None
+    t5 = time.perf_counter()
     cells = run.cells
     training = {"device": str(cells.device), "layout": cells.layout, "density": cells.density,
                 "processes": run.comm.world}  # fmt: skip
     return Fit(
         run.data, run.transform, run.config, run.plan, ow.net, warm.history + ow.history, found,
-        check, _anchor_centroids(run), probs, embedding, Timings(t1 - t0, t2 - t1, t3 - t2),
-        training,
+        check, _anchor_centroids(run), probs, embedding,
+        Timings(t1 - t0, t2 - t1, t3 - t2, t5 - t4), training, pvalues,
     )  # fmt: skip
 
 
@@ -323,6 +330,30 @@ def self_check(run: RunContext) -> dict[str, Any]:
     )  # fmt: skip
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def novelty_pvalues(run: RunContext, n_folds: int) -> np.ndarray:
+    """Cross-fitted conformal novelty p-value of every unlabelled cell (NaN for labelled ones;
+    :mod:`orca_sc._conformal`): one supervised warm-up without each of ``n_folds`` folds of the
+    labelled cells, whose held-out cells calibrate the kNN score of the unlabelled cells.
+    """
+    data, cfg = run.data, run.config
+    folds = fold_ids(data.labels, n_folds, cfg.seed)
+    test = np.flatnonzero(~data.labeled)
+    counts = CrossConformal(test.size)
+    for f in range(n_folds):  # loop over folds, not cells
+        held = folds == f
+        if not held.any():
+            continue
+        labels = np.where(held, -1, data.labels)
+        rand = TrainRandom(cfg.seed + 100 + f, run.cells.device)
+        net, _ = fit_warmup(run.cells, labels, run.n_seen, cfg, run.plan, rand, run.comm)
+        train = np.flatnonzero(labels >= 0)
+        _, emb = infer(net, run.cells, comm=run.comm)
+        counts.add(knn_distance(emb[train], emb[held]), knn_distance(emb[train], emb[test]))
+    p = np.full(data.n_cells, np.nan)
+    p[test] = counts.pvalues()
+    return p
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -62,7 +62,10 @@ def _echo_summary(summary: dict, metrics: dict | None) -> None:
         click.echo("Novel clusters:")
         for rec in summary["novel"]:
             close = ", ".join(f"{c['type']} {c['similarity']:.2f}" for c in rec["closest"])
-            click.echo(f"  {rec['name']} ({rec['size']} cells) — closest: {close}")
+            click.echo(
+                f"  {rec['name']} ({rec['size']} cells) — closest: {close}; "
+                f"unlike the reference (novelty test): {rec.get('supported', 'not tested')}"
+            )
             if rec["markers"]:
                 click.echo(f"      top markers: {', '.join(rec['markers'])}")
     else:
@@ -250,12 +253,28 @@ def _add(options):
     help="Also hide some reference types, treat them as novel and report how the discovery "
     "rules did on them (one more warm-up; the annotation is unchanged).",
 )
+@click.option(
+    "--novelty-alpha",
+    default=0.05,
+    show_default=True,
+    type=float,
+    help="Level of the conformal novelty test (obs 'orca_novelty_pvalue'): known-type cells "
+    "like the reference's get p <= alpha at most this often.",
+)
+@click.option(
+    "--novelty-folds",
+    default=5,
+    show_default=True,
+    type=int,
+    help="Folds of labelled cells that cross-fit the novelty p-values, one warm-up each "
+    "(0: no p-values).",
+)
 @_add(_result_opts)
 @_add(_output_opts)
 @click.pass_context
 def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer, batch_key,
              unlabeled_category, epochs, warmup_epochs, min_steps, batch_size, lr, device, seed, save_model, self_check,
-             truth_key, report, on_disk, overwrite, quiet):  # fmt: skip
+             novelty_alpha, novelty_folds, truth_key, report, on_disk, overwrite, quiet):  # fmt: skip
     """Annotate QUERY.h5ad with the cell types of REF.h5ad, discovering novel types.
 
     Both files may hold raw counts or log-normalised values; genes are matched by name. The query
@@ -300,6 +319,8 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
             seed=seed,
             progress=not quiet,
             self_check=self_check,
+            novelty_alpha=novelty_alpha,
+            novelty_folds=novelty_folds,
         )
         _check_device(device)
         outputs = Outputs(overwrite, [reference, query])

@@ -268,7 +268,10 @@ def test_caller_objects_untouched_by_a_run_except_the_documented_fields():
     orca_sc.tl.annotate(query, ref, labels_key="cell_type", **FAST)
     assert_unchanged(ref, snap_r)
     new_obs = [c for c in query.obs.columns if c not in snap_q["obs"].columns]
-    assert sorted(new_obs) == ["orca_confidence", "orca_label", "orca_novel", "orca_novelty"]
+    assert sorted(new_obs) == [
+        "orca_confidence", "orca_label", "orca_novel", "orca_novelty", "orca_novelty_pvalue",
+        "orca_novelty_qvalue",
+    ]  # fmt: skip
     query.obs = query.obs.drop(columns=new_obs)
     assert set(query.obsm.keys()) - snap_q["obsm"] == {"X_orca"}
     assert set(query.uns.keys()) - snap_q["uns"] == {"orca"}

@@ -219,6 +219,18 @@ def _count_warmup_labels(monkeypatch) -> list[int]:
     return n_labelled
 
 
+def test_novelty_folds_hold_out_every_labelled_cell_once(monkeypatch):
+    """The novelty test's cross-fitting: after the main warm-up (every label), one warm-up per
+    fold, each without its fold; the folds together hold out every labelled cell exactly once
+    (so every label both trains and calibrates).
+    """
+    n_labelled = _count_warmup_labels(monkeypatch)
+    _run(_sim_task(n_ref=200, n_query=150))
+    main, *folds = n_labelled
+    assert len(folds) == 5 and all(f < main for f in folds)
+    assert sum(main - f for f in folds) == main
+
+
 def test_probe_calibration_trains_on_every_label(monkeypatch):
     """``calibration_probe``: the main warm-up trains on every labelled cell; a second warm-up
     without the held-out cells calibrates a threshold that caps the main one. On the few-label
@@ -229,9 +241,9 @@ def test_probe_calibration_trains_on_every_label(monkeypatch):
     """
     n_labelled = _count_warmup_labels(monkeypatch)
     task = _sim_task(n_ref=200, n_query=150)
-    off, _ = _run(task)
+    off, _ = _run(task, novelty_folds=0)  # the novelty test's warm-ups are counted elsewhere
     assert len(n_labelled) == 1
-    probe, u = _run(task, calibration_fraction=0.2, calibration_probe=True)
+    probe, u = _run(task, calibration_fraction=0.2, calibration_probe=True, novelty_folds=0)
     main, held_out = n_labelled[1:]
     assert main == n_labelled[0] and held_out < main  # every label trains the main warm-up
     est = u["estimate"]
@@ -329,8 +341,8 @@ def test_self_check_reports_in_uns_and_leaves_the_annotation_alone(monkeypatch, 
 
     n_labelled = _count_warmup_labels(monkeypatch)
     task = _sim_task(n_ref=600, n_query=400)
-    off, u_off = _run(task)
-    on, q = _annotated(task, self_check=True)
+    off, u_off = _run(task, novelty_folds=0)  # the novelty test's warm-ups are counted elsewhere
+    on, q = _annotated(task, self_check=True, novelty_folds=0)
     u = q.uns["orca"]
     assert n_labelled[1] == n_labelled[0] and n_labelled[2] < n_labelled[0]
     assert on == off

@@ -65,7 +65,35 @@ def _orca(task: Task, seed: int, heads_factor: int | None = None, **config) -> n
         config["n_novel"] = max(1, heads_factor * len(task.novel))
     adata, rows = annotate_task(task, seed, **config)
     est = adata.uns["orca"]["n_novel"]["estimated"]
-    return adata.obs["orca_label"].astype(str).to_numpy()[rows], {"novel_est": est}
+    return adata.obs["orca_label"].astype(str).to_numpy()[rows], {
+        "novel_est": est,
+        **_novelty_test_shares(adata, rows, task),
+    }
+
+
+def _novelty_test_shares(adata, rows, task: Task) -> dict[str, float]:
+    """The shares of known-type (the test's level) and of novel-type query cells (its power)
+    with a novelty p-value at most alpha; the shares called novel by two rules measured against
+    the annotation (``bh``: q-value at most alpha; ``vote``: the novel clusters less those the
+    test finds not unlike the reference). Empty without p-values.
+    """
+    if "orca_novelty_pvalue" not in adata.obs:
+        return {}
+    test = adata.uns["orca"]["novelty_test"]
+    alpha, table = test["alpha"], test["clusters"]
+    p = adata.obs["orca_novelty_pvalue"].to_numpy()[rows]
+    q = adata.obs["orca_novelty_qvalue"].to_numpy()[rows]
+    label = adata.obs["orca_label"].astype(str).to_numpy()[rows]
+    rejected = [c for c, v in zip(table["cluster"], table["supported"], strict=True) if v == "no"]
+    called = adata.obs["orca_novel"].notna().to_numpy()[rows]
+    rules = {"p_below_alpha": p <= alpha, "bh_called": q <= alpha,
+             "vote_called": called & ~np.isin(label, rejected)}  # fmt: skip
+    novel = ~np.isin(task.truth, task.seen)
+    out = {}
+    for name, call in rules.items():
+        out[f"known_{name}"] = float(call[~novel].mean()) if (~novel).any() else np.nan
+        out[f"novel_{name}"] = float(call[novel].mean()) if novel.any() else np.nan
+    return out
 
 
 # ------------------------------------------------------------------------------------- baselines

@@ -159,7 +159,8 @@ def dev_suite(data_dir: str | Path | None, *, large: bool = True) -> list[TaskSp
 #: the suite's goals per task (share of novel-type cells called novel, of known-type cells
 #: called novel, of runs whose number of novel clusters is right)
 GOALS = {"novel_called": 0.9, "known_called_novel": 0.05, "found_exact": 0.7}
-_SD = ("seen_acc", "novel_acc", "all_acc", "novel_called", "known_called_novel")
+_SD = ("seen_acc", "novel_acc", "all_acc", "novel_called", "known_called_novel",
+       "known_p_below_alpha")  # fmt: skip
 
 
 def suite_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -176,6 +177,8 @@ def suite_table(runs: pd.DataFrame) -> pd.DataFrame:
         "novel_found",
         "novel_est",
         "novel_true",
+        "known_p_below_alpha",
+        "novel_p_below_alpha",
         "seconds",
     ]
     cols = [c for c in cols if c in runs.columns]
@@ -235,6 +238,17 @@ def estimate_accuracy(runs: pd.DataFrame, method: str = "ORCA") -> dict:
     return out
 
 
+def _shares(r: pd.Series) -> str:
+    """The novelty test's shares of a table row, ``known (± sd) / novel``, or a dash."""
+    known = r.get("known_p_below_alpha")
+    if known is None or pd.isna(known):
+        return "–"
+    sd = r.get("known_p_below_alpha_sd")
+    novel = r.get("novel_p_below_alpha")
+    text = f"{known:.3f}" + (f" ± {sd:.3f}" if sd is not None and pd.notna(sd) and sd > 0 else "")
+    return text + (f" / {novel:.3f}" if novel is not None and pd.notna(novel) else " / –")
+
+
 def suite_markdown(runs: pd.DataFrame, settings: dict | None = None) -> str:
     """The suite's report: one row per task and method, then the n_novel estimate's accuracy and
     the small-data wall time next to CellTypist's.
@@ -249,11 +263,13 @@ def suite_markdown(runs: pd.DataFrame, settings: dict | None = None) -> str:
         "metrics; novel->novel: share of novel-type cells called novel; known->novel: share of "
         "known-type cells called novel; found (est) / true: novel clusters found (ORCA's "
         "estimate) against the true number of novel types; found = true: share of runs with the "
-        "true number.",
+        "true number. p <= a known / novel: shares of known-type (the novelty test's level, "
+        "goal <= alpha where reference and query are alike) and novel-type query cells (its "
+        "power) with a novelty p-value at most alpha.",
         "",
         "| task | method | cells | seen | novel | all | novel->novel | known->novel "
-        "| found (est) / true | found = true | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| found (est) / true | found = true | p <= a known / novel | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(r, c):
@@ -271,7 +287,8 @@ def suite_markdown(runs: pd.DataFrame, settings: dict | None = None) -> str:
             f"| {r['task']} | {r['method']}{err} | {int(r['n_query'])} | {f(r, 'seen_acc')} "
             f"| {f(r, 'novel_acc')} | {f(r, 'all_acc')} | {f(r, 'novel_called')} "
             f"| {f(r, 'known_called_novel')} | {r['novel_found']:.1f}{est} / "
-            f"{r['novel_true']:.0f} | {r['found_exact']:.0%} | {r['seconds']:.1f} |"
+            f"{r['novel_true']:.0f} | {r['found_exact']:.0%} | {_shares(r)} "
+            f"| {r['seconds']:.1f} |"
         )
     worst = worst_tasks(t)
     if worst:

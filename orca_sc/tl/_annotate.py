@@ -61,9 +61,11 @@ def annotate(
     The annotated copy if ``copy``, else ``None``. Writes ``obs['{key_added}_label']`` (a type or
     ``novel_1``, ``novel_2``, ... by size), ``obs['{key_added}_novel']`` (NaN for known types),
     ``obs['{key_added}_confidence']`` (max softmax), ``obs['{key_added}_novelty']`` (0-1),
-    ``obsm['X_{key_added}']`` (embedding), ``uns['{key_added}']``: ``params``, ``mode``,
-    ``seen_classes``, ``novel_cluster_sizes``, ``novel_similarity``, ``merged_into_known``,
-    ``n_novel``, ``estimate``, ``self_check``, ``input_scale``, ``alignment``, ``data``,
+    ``obs['{key_added}_novelty_pvalue']`` and ``_qvalue`` (the conformal novelty test; not with
+    ``novelty_folds=0``), ``obsm['X_{key_added}']`` (embedding), ``uns['{key_added}']``:
+    ``params``, ``mode``, ``seen_classes``, ``novel_cluster_sizes``, ``novel_similarity``,
+    ``merged_into_known``, ``n_novel``, ``estimate``, ``self_check``, ``novelty_test``,
+    ``input_scale``, ``alignment``, ``data``,
     ``history``, ``training``, ``seed``, ``version`` (see the README's Outputs).
 
     """
@@ -87,6 +89,9 @@ def annotate(
         adata, key_added, result.labels, result.confidence, result.novelty, result.embedding,
         classes=model.classes, novel_names=result.novel_names,
     )  # fmt: skip
+    if result.pvalue is not None:
+        adata.obs[f"{key_added}_novelty_pvalue"] = result.pvalue.astype(np.float32)
+        adata.obs[f"{key_added}_novelty_qvalue"] = result.qvalue.astype(np.float32)
     adata.uns[key_added] = result.uns
     if model_path is not None and main_process():
         model.save(model_path)

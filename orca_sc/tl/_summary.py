@@ -46,7 +46,8 @@ def summarize(
     -------
     A JSON-able dict: ``n_cells``, ``label_counts`` (label → cells, largest first),
     ``mean_confidence`` and ``novel`` (one record per novel cluster: ``name``, ``size``,
-    ``markers``, ``closest`` as ``[{"type", "similarity"}]``), and ``self_check`` when the run
+    ``markers``, ``closest`` as ``[{"type", "similarity"}]``, ``supported``: the novelty test's
+    verdict, ``uns['{key_added}']['novelty_test']``), and ``self_check`` when the run
     made one (``annotate(..., self_check=True)``: hidden types, the share of their cells called
     novel, the share of held-out known-type cells called novel, clusters found).
 
@@ -66,6 +67,8 @@ def summarize(
     values = np.asarray(sim.get("similarity", []), dtype=float).reshape(len(clusters), len(types))
     novel_names = [n for n in adata.obs[f"{key_added}_novel"].cat.categories if n in counts.index]
     markers = _markers(adata, labels, novel_names, n_markers, layer) if n_markers > 0 else {}
+    test = uns.get("novelty_test", {}).get("clusters", {})
+    support = dict(zip(test.get("cluster", []), test.get("supported", []), strict=False))
     novel = []
     for name in novel_names:
         row = values[clusters.index(name)] if name in clusters else np.zeros(0)
@@ -76,6 +79,7 @@ def summarize(
                 "size": int(counts[name]),
                 "markers": markers.get(name, []),
                 "closest": [{"type": t, "similarity": round(float(v), 3)} for t, v in closest],
+                "supported": str(support.get(name, "not tested")),
             }
         )
     out = {

@@ -1,0 +1,143 @@
+"""The conformal novelty test: p-values that keep their level, Benjamini-Hochberg, per-cluster
+support, and the columns a run writes.
+"""
+
+import numpy as np
+import pytest
+from scipy.stats import false_discovery_control
+
+import orca_sc
+from orca_sc._conformal import (
+    MIN_TAIL_CELLS,
+    CrossConformal,
+    benjamini_hochberg,
+    cluster_support,
+    fold_ids,
+)
+from tests.conftest import FAST
+
+
+def test_folds_are_stratified_and_balanced():
+    labels = np.repeat([0, 1, 2, -1], [7, 12, 3, 5])
+    folds = fold_ids(labels, 5, seed=1)
+    assert (folds[labels < 0] == -1).all() and (folds[labels >= 0] >= 0).all()
+    sizes = np.bincount(folds[folds >= 0], minlength=5)
+    assert sizes.max() - sizes.min() <= 1  # 22 cells: 4 or 5 per fold
+    for k in (0, 1, 2):  # each type spread over min(its cells, folds) folds
+        assert np.unique(folds[labels == k]).size == min((labels == k).sum(), 5)
+
+
+def test_benjamini_hochberg_matches_scipy():
+    p = np.random.default_rng(0).random(200) ** 3
+    np.testing.assert_allclose(benjamini_hochberg(p), false_discovery_control(p))
+    assert benjamini_hochberg(np.array([])).size == 0
+
+
+def test_cross_conformal_pvalues_keep_their_level_under_exchangeability():
+    """Calibration and test scores from one distribution, folds as in a run (a test cell is
+    scored by every fold's net: its own score plus a little noise per fold): over many
+    repetitions the share of test cells with p <= a is at most a (+ Monte Carlo error), for
+    every a, and not far below it; a shifted test population gets small p-values.
+    """
+    rng = np.random.default_rng(0)
+    levels = np.array([0.01, 0.05, 0.1, 0.2])
+    below = np.zeros(levels.size)
+    reps, n_test = 300, 50
+    for _ in range(reps):
+        cc = CrossConformal(n_test)
+        test = rng.normal(size=n_test)
+        for _f in range(5):
+            cc.add(rng.normal(size=8), test + rng.normal(scale=0.1, size=n_test))
+        below += (cc.pvalues()[:, None] <= levels).mean(axis=0)
+    rate = below / reps
+    assert (rate <= levels + 0.01).all(), rate
+    assert (rate >= levels - 0.03).all(), rate  # not vacuous: close to the level
+    cc = CrossConformal(20)
+    for _f in range(5):
+        cc.add(rng.normal(size=40), rng.normal(loc=4.0, size=20))
+    assert np.median(cc.pvalues()) < 0.02
+
+
+def test_cluster_support_verdicts():
+    rng = np.random.default_rng(0)
+    p = np.concatenate([rng.random(300), rng.random(60) * 0.04, rng.random(60)])
+    clusters = np.repeat([-1, 0, 1], [300, 60, 60])
+    table, notes = cluster_support(p, clusters, ["novel_1", "novel_2"], 0.05, 500)
+    assert table["supported"] == ["yes", "no"]
+    assert table["n_cells"] == [60, 60] and table["share_p_below_alpha"][0] == 1.0
+    assert any("novel_2" in n for n in notes)
+    few = int(MIN_TAIL_CELLS / 0.05) - 1  # too few labelled cells for the tail at alpha
+    table, notes = cluster_support(p, clusters, ["novel_1", "novel_2"], 0.05, few)
+    assert table["supported"] == ["cannot tell", "cannot tell"]
+    assert any("cannot say" in n for n in notes)
+
+
+def _same_types_split(per_type, seed=0):
+    """Reference and query drawn from one simulated batch and the same 6 types: reference =
+    ``per_type`` cells of each type (None: a random half), query = the rest.
+    """
+    a = orca_sc.datasets.simulate(1500, 400, 6, markers_per_type=30, seed=seed)
+    rng = np.random.default_rng(seed)
+    t = a.obs["cell_type"].astype(str).to_numpy()
+    if per_type is None:
+        ref = rng.random(a.n_obs) < 0.5
+    else:
+        ref = np.zeros(a.n_obs, dtype=bool)
+        for k in np.unique(t):
+            ref[rng.choice(np.flatnonzero(t == k), per_type, replace=False)] = True
+    return a[ref].copy(), a[~ref].copy()
+
+
+@pytest.mark.parametrize("per_type", [None, 5])
+def test_known_types_get_p_below_alpha_at_most_alpha(per_type):
+    """The issue's test: a query of the reference's own types (exchangeable cells) has at most
+    a share alpha of cells with p <= alpha, plus a stated tolerance: 2.5 standard deviations of
+    the share given one calibration set (sqrt(a (1 - a) / (n + 1)), n labelled cells) and 0.01
+    for the query's own draw. With 5 labelled cells per type that is 30 calibration cells.
+    """
+    ref, query = _same_types_split(per_type)
+    alpha = 0.05
+    out = orca_sc.tl.annotate(query, ref, labels_key="cell_type", copy=True, seed=0, **FAST)
+    p = out.obs["orca_novelty_pvalue"].to_numpy()
+    assert np.isfinite(p).all() and ((p > 0) & (p <= 1)).all()
+    n = ref.n_obs
+    tol = 2.5 * np.sqrt(alpha * (1 - alpha) / (n + 1)) + 0.01
+    assert np.mean(p <= alpha) <= alpha + tol, (np.mean(p <= alpha), alpha + tol)
+    test = out.uns["orca"]["novelty_test"]
+    assert test["alpha"] == alpha and test["n_calibration"] == n and test["folds"] == 5
+    q = out.obs["orca_novelty_qvalue"].to_numpy()
+    assert (q >= p - 1e-7).all()
+
+
+def test_novel_cells_get_small_pvalues_and_supported_clusters(small_sim):
+    # three warm-up epochs: one (FAST) leaves an embedding too raw to score distances in
+    opts = {**FAST, "epochs": 10, "warmup_epochs": 3}
+    out = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, seed=0, **opts)
+    p = out.obs["orca_novelty_pvalue"].to_numpy()
+    labelled = out.obs["lab"].notna().to_numpy()
+    assert np.isnan(p[labelled]).all() and np.isfinite(p[~labelled]).all()
+    truth = out.obs["cell_type"].astype(str).to_numpy()
+    novel = np.isin(truth, ["type_3", "type_4"]) & ~labelled
+    known = ~novel & ~labelled
+    assert np.median(p[novel]) < 0.05 and np.median(p[known]) > 0.3
+    q = out.obs["orca_novelty_qvalue"].to_numpy()
+    assert np.mean(q[novel] <= 0.05) > 0.3 and np.mean(q[known] <= 0.05) < 0.05
+    table = out.uns["orca"]["novelty_test"]["clusters"]
+    sizes = dict(zip(table["cluster"], table["n_cells"], strict=True))
+    big = [c for c, s in sizes.items() if s >= 30]
+    assert big and all(
+        v == "yes" for c, v in zip(table["cluster"], table["supported"], strict=True) if c in big
+    )
+    again = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, seed=0, **opts)
+    np.testing.assert_array_equal(p, again.obs["orca_novelty_pvalue"].to_numpy())
+
+
+def test_no_pvalues_when_switched_off(small_sim):
+    out = orca_sc.tl.annotate(
+        small_sim, labels_key="lab", copy=True, seed=0, novelty_folds=0, **FAST
+    )
+    assert "orca_novelty_pvalue" not in out.obs and "novelty_test" not in out.uns["orca"]
+    with pytest.raises(orca_sc.OrcaInputError, match="novelty_folds"):
+        orca_sc.tl.annotate(small_sim, labels_key="lab", novelty_folds=1, **FAST)
+    with pytest.raises(orca_sc.OrcaInputError, match="novelty_alpha"):
+        orca_sc.tl.annotate(small_sim, labels_key="lab", novelty_alpha=1.5, **FAST)
