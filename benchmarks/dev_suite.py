@@ -20,6 +20,7 @@ from _overrides import config_overrides
 
 import orca_sc
 from orca_sc.benchmark import annotate_task, dev_suite, score, suite_markdown
+from orca_sc.benchmark._methods import novelty_test_shares
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -58,6 +59,7 @@ def main() -> None:
                 "seconds": time.perf_counter() - t0,
                 "error": "",
                 **_self_check_columns(q.uns["orca"].get("self_check")),
+                **novelty_test_shares(q, sl, task),
             }
             rows.append(row)
             print(

@@ -332,15 +332,21 @@ def self_check(run: RunContext) -> dict[str, Any]:
     return report
 
 
+#: the novelty score's neighbours are looked for among at most this many labelled cells per fold
+NOVELTY_REFERENCE_CELLS = 10_000
+
+
 def novelty_pvalues(run: RunContext, n_folds: int) -> np.ndarray:
     """Cross-fitted conformal novelty p-value of every unlabelled cell (NaN for labelled ones;
     :mod:`orca_sc._conformal`): one supervised warm-up without each of ``n_folds`` folds of the
-    labelled cells, whose held-out cells calibrate the kNN score of the unlabelled cells.
+    labelled cells, whose held-out cells calibrate the kNN score of the unlabelled cells (the
+    neighbours among at most :data:`NOVELTY_REFERENCE_CELLS` of the fold's training cells).
     """
     data, cfg = run.data, run.config
     folds = fold_ids(data.labels, n_folds, cfg.seed)
     test = np.flatnonzero(~data.labeled)
     counts = CrossConformal(test.size)
+    rng = np.random.default_rng(cfg.seed)
     for f in range(n_folds):  # loop over folds, not cells
         held = folds == f
         if not held.any():
@@ -349,6 +355,8 @@ def novelty_pvalues(run: RunContext, n_folds: int) -> np.ndarray:
         rand = TrainRandom(cfg.seed + 100 + f, run.cells.device)
         net, _ = fit_warmup(run.cells, labels, run.n_seen, cfg, run.plan, rand, run.comm)
         train = np.flatnonzero(labels >= 0)
+        if train.size > NOVELTY_REFERENCE_CELLS:  # the same random labelled cells score all
+            train = np.sort(rng.choice(train, NOVELTY_REFERENCE_CELLS, replace=False))
         _, emb = infer(net, run.cells, comm=run.comm)
         counts.add(knn_distance(emb[train], emb[held]), knn_distance(emb[train], emb[test]))
     p = np.full(data.n_cells, np.nan)

@@ -67,11 +67,11 @@ def _orca(task: Task, seed: int, heads_factor: int | None = None, **config) -> n
     est = adata.uns["orca"]["n_novel"]["estimated"]
     return adata.obs["orca_label"].astype(str).to_numpy()[rows], {
         "novel_est": est,
-        **_novelty_test_shares(adata, rows, task),
+        **novelty_test_shares(adata, rows, task),
     }
 
 
-def _novelty_test_shares(adata, rows, task: Task) -> dict[str, float]:
+def novelty_test_shares(adata, rows, task: Task) -> dict[str, float]:
     """The shares of known-type (the test's level) and of novel-type query cells (its power)
     with a novelty p-value at most alpha; the shares called novel by two rules measured against
     the annotation (``bh``: q-value at most alpha; ``vote``: the novel clusters less those the
