@@ -100,7 +100,8 @@ def cluster_support(
     cells exchangeable with the reference do at most), Benjamini–Hochberg over the clusters.
 
     ``pvalues``: the unlabelled cells'; ``clusters``: each one's novel cluster (index into
-    ``names``; ``-1``: a known type). ``supported`` is ``"yes"`` (q <= alpha), ``"no"``, or
+    ``names``; ``-1``: a known type). ``supported`` is ``"significant"`` (q <= alpha), ``"not significant"`` (no
+    evidence either way: the test has little power where a novel type is close to a known one), or
     ``"cannot tell"`` when ``alpha * n_calibration`` (the calibration cells in the tail that a
     p-value at ``alpha`` stands on) is under :data:`MIN_TAIL_CELLS`.
     The cells' p-values share one calibration set, so the binomial level is approximate.
@@ -114,7 +115,8 @@ def cluster_support(
     pval = np.where(n > 0, binom.sf(k - 1, n, alpha), 1.0)
     qval = benjamini_hochberg(pval)
     can_tell = alpha * n_calibration >= MIN_TAIL_CELLS
-    verdict = ["cannot tell" if not can_tell else ("yes" if q <= alpha else "no") for q in qval]
+    verdict = ["cannot tell" if not can_tell else ("significant" if q <= alpha else "not significant")
+               for q in qval]  # fmt: skip
     table = {
         "cluster": list(names),
         "n_cells": n.tolist(),
@@ -131,11 +133,13 @@ def cluster_support(
             "cannot say whether the novel clusters are unlike the reference "
             "(uns['orca']['novelty_test'], supported: 'cannot tell')."
         )
-    unsupported = [c for c, v in zip(names, verdict, strict=True) if v == "no"]
+    unsupported = [c for c, v in zip(names, verdict, strict=True) if v == "not significant"]
     if unsupported:
         notes.append(
-            f"Novel clusters {', '.join(unsupported)}: their cells are not significantly more "
-            f"unlike the reference than known-type cells are (alpha = {alpha:g}); they may be "
-            "known types shifted by batch or few labels (uns['orca']['novelty_test'])."
+            f"Novel clusters {', '.join(unsupported)}: the novelty test does not find their "
+            f"cells more unlike the reference than known-type cells (alpha = {alpha:g}). That is "
+            "no evidence that they are known types (the test has little power for types close "
+            "to a known one), but check them: known types shifted by batch or few labels look "
+            "like this too (uns['orca']['novelty_test'])."
         )
     return table, notes

@@ -64,7 +64,7 @@ def _echo_summary(summary: dict, metrics: dict | None) -> None:
             close = ", ".join(f"{c['type']} {c['similarity']:.2f}" for c in rec["closest"])
             click.echo(
                 f"  {rec['name']} ({rec['size']} cells) — closest: {close}; "
-                f"unlike the reference (novelty test): {rec.get('supported', 'not tested')}"
+                f"novelty test: {rec.get('supported', 'not tested')}"
             )
             if rec["markers"]:
                 click.echo(f"      top markers: {', '.join(rec['markers'])}")

@@ -63,7 +63,7 @@ def test_cluster_support_verdicts():
     p = np.concatenate([rng.random(300), rng.random(60) * 0.04, rng.random(60)])
     clusters = np.repeat([-1, 0, 1], [300, 60, 60])
     table, notes = cluster_support(p, clusters, ["novel_1", "novel_2"], 0.05, 500)
-    assert table["supported"] == ["yes", "no"]
+    assert table["supported"] == ["significant", "not significant"]
     assert table["n_cells"] == [60, 60] and table["share_p_below_alpha"][0] == 1.0
     assert any("novel_2" in n for n in notes)
     few = int(MIN_TAIL_CELLS / 0.05) - 1  # too few labelled cells for the tail at alpha
@@ -126,7 +126,9 @@ def test_novel_cells_get_small_pvalues_and_supported_clusters(small_sim):
     sizes = dict(zip(table["cluster"], table["n_cells"], strict=True))
     big = [c for c, s in sizes.items() if s >= 30]
     assert big and all(
-        v == "yes" for c, v in zip(table["cluster"], table["supported"], strict=True) if c in big
+        v == "significant"
+        for c, v in zip(table["cluster"], table["supported"], strict=True)
+        if c in big
     )
     again = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, seed=0, **opts)
     np.testing.assert_array_equal(p, again.obs["orca_novelty_pvalue"].to_numpy())

@@ -84,7 +84,11 @@ def novelty_test_shares(adata, rows, task: Task) -> dict[str, float]:
     p = adata.obs["orca_novelty_pvalue"].to_numpy()[rows]
     q = adata.obs["orca_novelty_qvalue"].to_numpy()[rows]
     label = adata.obs["orca_label"].astype(str).to_numpy()[rows]
-    rejected = [c for c, v in zip(table["cluster"], table["supported"], strict=True) if v == "no"]
+    rejected = [
+        c
+        for c, v in zip(table["cluster"], table["supported"], strict=True)
+        if v == "not significant"
+    ]
     called = adata.obs["orca_novel"].notna().to_numpy()[rows]
     rules = {"p_below_alpha": p <= alpha, "bh_called": q <= alpha,
              "vote_called": called & ~np.isin(label, rejected)}  # fmt: skip
