@@ -18,17 +18,13 @@ import sys
 import numpy as np
 import pandas as pd
 
+from orca_sc.benchmark._suite import mean_sd as _cell
+
 RULES = {
     "labels": ("novel_called", "known_called_novel"),
     "bh": ("novel_bh_called", "known_bh_called"),
     "vote": ("novel_vote_called", "known_vote_called"),
 }
-
-
-def _cell(mean: float, sd: float | None = None) -> str:
-    if pd.isna(mean):
-        return "–"
-    return f"{mean:.3f}" + (f" ± {sd:.3f}" if sd is not None and pd.notna(sd) and sd > 0 else "")
 
 
 def table(runs: pd.DataFrame) -> str:

@@ -55,6 +55,8 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
     run's cells (``None``: not computed); ``labels``: every cell's output label; ``cfg``: the
     :class:`orca_sc.DiscoveryConfig`.
     """
+    import pandas as pd
+
     from ._conformal import benjamini_hochberg, cluster_support
 
     if pvalues is None:
@@ -63,8 +65,6 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
     qvalues = np.full(pvalues.shape, np.nan)
     qvalues[unl] = benjamini_hochberg(pvalues[unl])
     n_cal = int(labeled.sum())
-    import pandas as pd
-
     clusters = pd.Index(novel_names, dtype=object).get_indexer(labels[unl]).astype(np.int64)
     alpha = cfg.novelty_alpha
     table, notes = cluster_support(pvalues[unl], clusters, novel_names, alpha, n_cal)

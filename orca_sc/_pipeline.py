@@ -13,6 +13,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -149,7 +150,7 @@ class Timings:
     warmup: float
     discovery: float
     open_world: float
-    novelty: float = 0.0
+    novelty: float
 
     @property
     def training(self) -> float:
@@ -176,7 +177,7 @@ class Fit:
     embedding: np.ndarray
     timings: Timings
     training: dict[str, Any]  # device, layout, density, processes
-    novelty_pvalues: np.ndarray | None = None  # (n,) NaN for labelled cells; None: not computed
+    novelty_pvalues: np.ndarray | None  # (n,) NaN for labelled cells; None: not computed
 
 
 def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> Fit:
@@ -358,13 +359,23 @@ def novelty_pvalues(run: RunContext, n_folds: int) -> np.ndarray:
         if train.size > NOVELTY_REFERENCE_CELLS:  # the same random labelled cells score all
             train = np.sort(rng.choice(train, NOVELTY_REFERENCE_CELLS, replace=False))
         _, emb = infer(net, run.cells, comm=run.comm)
-        counts.add(knn_distance(emb[train], emb[held]), knn_distance(emb[train], emb[test]))
+        # every rank has the embedding; the scores are counted once
+        run.comm.on_main(partial(_count_fold, counts, emb, train, held, test))
     p = np.full(data.n_cells, np.nan)
-    p[test] = counts.pvalues()
+    p[test] = run.comm.on_main(counts.pvalues)
     return p
 
 
 # ------------------------------------------------------------------------------------ helpers
+def _count_fold(
+    counts: CrossConformal, emb: np.ndarray, train: np.ndarray, held: np.ndarray, test: np.ndarray
+) -> None:
+    """One fold of :func:`novelty_pvalues`: the kNN scores of its held-out and of the test cells
+    against its training cells ``train`` in its net's embedding ``emb``, into ``counts``.
+    """
+    counts.add(knn_distance(emb[train], emb[held]), knn_distance(emb[train], emb[test]))
+
+
 def seen_similarity(
     net: OrcaNet, cells: CellMatrix, idx: np.ndarray, comm: Comm | None = None
 ) -> tuple[np.ndarray, np.ndarray]:

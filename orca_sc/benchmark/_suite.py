@@ -238,15 +238,19 @@ def estimate_accuracy(runs: pd.DataFrame, method: str = "ORCA") -> dict:
     return out
 
 
+def mean_sd(mean: float | None, sd: float | None = None) -> str:
+    """``mean ± sd`` to three decimals (the sd only when positive), or a dash for no value."""
+    if mean is None or pd.isna(mean):
+        return "–"
+    return f"{mean:.3f}" + (f" ± {sd:.3f}" if sd is not None and pd.notna(sd) and sd > 0 else "")
+
+
 def _shares(r: pd.Series) -> str:
     """The novelty test's shares of a table row, ``known (± sd) / novel``, or a dash."""
     known = r.get("known_p_below_alpha")
     if known is None or pd.isna(known):
         return "–"
-    sd = r.get("known_p_below_alpha_sd")
-    novel = r.get("novel_p_below_alpha")
-    text = f"{known:.3f}" + (f" ± {sd:.3f}" if sd is not None and pd.notna(sd) and sd > 0 else "")
-    return text + (f" / {novel:.3f}" if novel is not None and pd.notna(novel) else " / –")
+    return f"{mean_sd(known, r.get('known_p_below_alpha_sd'))} / {mean_sd(r.get('novel_p_below_alpha'))}"
 
 
 def suite_markdown(runs: pd.DataFrame, settings: dict | None = None) -> str:
@@ -273,12 +277,7 @@ def suite_markdown(runs: pd.DataFrame, settings: dict | None = None) -> str:
     ]
 
     def f(r, c):
-        if pd.isna(r[c]):
-            return "–"
-        sd = r.get(f"{c}_sd")
-        return f"{r[c]:.3f}" + (
-            f" ± {sd:.3f}" if sd is not None and pd.notna(sd) and sd > 0 else ""
-        )
+        return mean_sd(r[c], r.get(f"{c}_sd"))
 
     for _, r in t.iterrows():
         est = f" ({r['novel_est']:.1f})" if "novel_est" in r and pd.notna(r["novel_est"]) else ""
