@@ -97,6 +97,38 @@ def _labels_column(adata: Any, labels_key: str, what: str) -> pd.Series:
     return adata.obs[labels_key]
 
 
+#: above this many classes, a label column where most labelled cells are alone in their class
+#: is taken for a per-cell value (an identifier, a score), not cell types
+_ID_MIN_CLASSES = 50
+
+
+def _check_label_values(adata: Any, col: pd.Series, unlabeled: np.ndarray, labels_key: str,
+                        what: str) -> None:  # fmt: skip
+    """Refuse a label column that holds per-cell values rather than cell types: non-integer
+    numbers (a score, a QC metric), or mostly one-cell classes (an identifier).
+    """
+    values = col[~unlabeled]
+    numeric = pd.api.types.is_numeric_dtype(values.dtype) and not pd.api.types.is_bool_dtype(
+        values.dtype
+    )
+    counts = values.astype(str).value_counts()
+    if numeric and values.size and not np.all(np.mod(values.to_numpy(dtype=float), 1) == 0):
+        kind = f"continuous numbers (e.g. {', '.join(f'{v:g}' for v in values.iloc[:3])})"
+    elif counts.size > _ID_MIN_CLASSES and (counts == 1).sum() > values.size / 2:
+        kind = f"a value per cell ({counts.size} distinct values among {values.size} cells)"
+    else:
+        return
+    obs = adata.obs
+    named = [c for c in obs.columns if c != labels_key and not pd.api.types.is_numeric_dtype(
+        obs[c].dtype) and 1 < obs[c].nunique() <= max(2, obs.shape[0] // 2)]  # fmt: skip
+    hint = f" Columns that could hold them: {', '.join(map(repr, named[:5]))}." if named else ""
+    msg = (
+        f"obs[{labels_key!r}] of the {what} holds {kind}, not cell types; labels_key must name "
+        f"the column of cell-type names (or integer codes).{hint}"
+    )
+    raise OrcaInputError(msg)
+
+
 #: label values read as missing whatever ``unlabeled_category`` says (how a NaN or None looks
 #: once a label column has been turned into strings, e.g. by ``astype(str)`` or a CSV round trip)
 MISSING_LABELS = ("", "nan", "none", "null", "<na>")
@@ -207,6 +239,7 @@ def _encode_single(adata: Any, labels_key: str, config: OrcaConfig) -> _Encoded:
     check_unique_genes(adata.var_names, what)
     col = _labels_column(adata, labels_key, what)
     unl = _is_unlabeled(col, config.unlabeled_category)
+    _check_label_values(adata, col, unl, labels_key, what)
     classes = _class_order(col, ~unl)
     genes = adata.var_names.astype(str).tolist()
     if len(genes) < config.min_shared_genes:
@@ -233,6 +266,7 @@ def _encode_reference(adata: Any, reference: Any, labels_key: str, config: OrcaC
     check_unique_genes(reference.var_names, "reference")
     col = _labels_column(reference, labels_key, "reference")
     unl = _is_unlabeled(col, config.unlabeled_category)
+    _check_label_values(reference, col, unl, labels_key, "reference")
     if unl.all():
         msg = (
             f"The reference has no labelled cells in obs[{labels_key!r}] (all NaN or one of "

@@ -59,3 +59,44 @@ def check_output_path(path: Any, what: str) -> Path | None:
         msg = f"{what} {str(path)!r}: the folder {str(p.parent)!r} does not exist; create it first."
         raise OrcaInputError(msg)
     return p
+
+
+def check_anndata(obj: Any, what: str) -> None:
+    """Refuse anything but an :class:`anndata.AnnData` as ``what`` ("adata", "reference"), with
+    the fix for what was passed instead (several AnnData, a DataFrame, an array, a path).
+    """
+    import anndata as ad
+
+    if isinstance(obj, ad.AnnData):
+        return
+    kind = type(obj).__name__
+    if isinstance(obj, (list, tuple)):
+        fix = (
+            f"a {kind} of {len(obj)} objects; pass one AnnData (concatenate samples with "
+            "anndata.concat(..., label='sample') and pass batch_key='sample')"
+        )
+    elif kind == "DataFrame":
+        fix = (
+            "a pandas DataFrame; wrap it as anndata.AnnData(df) (cells as rows, gene names as "
+            "columns) and put the cell types in .obs"
+        )
+    elif isinstance(obj, (str, Path)):
+        fix = f"a path ({str(obj)!r}); read it first with anndata.read_h5ad(...)"
+    elif hasattr(obj, "shape"):
+        fix = f"a {kind}; wrap the matrix as anndata.AnnData(X, obs=..., var=...) with gene names"
+    else:
+        fix = f"a {kind}; pass an anndata.AnnData"
+    raise OrcaInputError(f"{what} must be an AnnData, got {fix}.")
+
+
+def check_copy(adata: Any, copy: bool) -> None:
+    """``copy=True`` of an AnnData opened in backed mode: refused with the fix (anndata cannot
+    copy a backed object to memory without a file name).
+    """
+    if copy and getattr(adata, "isbacked", False):
+        msg = (
+            "copy=True cannot copy an AnnData opened in backed mode; drop copy=True (the results "
+            "are written into its in-memory obs, obsm and uns; save them with "
+            "adata.write(...)) or load it first with adata.to_memory()."
+        )
+        raise OrcaInputError(msg)

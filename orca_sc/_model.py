@@ -20,7 +20,7 @@ from ._annotation import Annotation, Naming, annotate_uns, jsonable, novelty_tes
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
 from ._discover import match_known_types, name_heads
-from ._errors import OrcaInputError, check_input_file
+from ._errors import OrcaInputError, check_anndata, check_input_file
 from ._pipeline import Fit
 from ._pipeline import fit as fit_run
 from ._read import open_matrix, warn_empty
@@ -136,6 +136,9 @@ class OrcaModel:
         the same seed), without writing anything into ``adata``; label cells with
         :meth:`predict`, keep it with :meth:`save`.
         """
+        check_anndata(adata, "adata")
+        if reference is not None:
+            check_anndata(reference, "reference")
         cfg = resolve_config(config, "OrcaModel.fit()", **kwargs)
         model, _ = train(adata, reference, labels_key, cfg)
         return model
@@ -267,6 +270,7 @@ class OrcaModel:
         (``config.alignment``), against the stored reference centroids. Returns
         ``(labels, prediction, info)``.
         """
+        check_anndata(adata, "adata")
         check_unique_genes(adata.var_names, "data to predict")
         layer = layer if layer is not None else self.config.layer
         reader = open_matrix(adata, layer, "data to predict", self.config.target_sum)

@@ -104,9 +104,17 @@ def anndatas(draw, genes, labelled, clean):
     if labelled:
         pool = LABELS[:6] + [None] if clean else LABELS
         labels = draw(st.lists(st.sampled_from(pool), min_size=n_obs, max_size=n_obs))
-        style = draw(st.sampled_from(["object", "category", "str"]))
+        styles = ["object", "category", "str"] + ([] if clean else ["codes", "score", "ids"])
+        style = draw(st.sampled_from(styles))
         col = pd.Series(labels, index=a.obs_names, dtype=object)
-        if style == "category":
+        if style == "codes":  # cell types as numbers: integer codes as floats, NaN unlabelled
+            col = pd.Series(pd.Categorical(col.astype(str)).codes, index=a.obs_names, dtype=float)
+            col[col == 0] = np.nan
+        elif style == "score":  # a continuous column taken for labels: refused
+            col = pd.Series(np.linspace(0.1, 0.9, n_obs), index=a.obs_names)
+        elif style == "ids":  # a value per cell
+            col = pd.Series([f"id{i}" for i in range(n_obs)], index=a.obs_names, dtype=object)
+        elif style == "category":
             col = col.map(lambda v: v if v is None else str(v)).astype("category")
         elif style == "str":
             col = col.astype(str)
@@ -233,6 +241,49 @@ def test_fuzz_cli(problem, tmp_path_factory):
         assert all(line.startswith("Warning: ") for line in lines[:-1]), r.stderr
         assert list((d / "out").iterdir()) == []
     assert sums == {p: hashlib.sha256((d / p).read_bytes()).hexdigest() for p in sums}
+
+
+#: what users pass where an AnnData is expected
+NOT_ANNDATA = {
+    "list": lambda a: [a, a],
+    "tuple": lambda a: (a,),
+    "DataFrame": lambda a: a.to_df(),
+    "ndarray": lambda a: np.asarray(a.X.todense()) if sp.issparse(a.X) else np.asarray(a.X),
+    "csr_matrix": lambda a: sp.csr_matrix(a.X),
+    "path": lambda a: "data.h5ad",
+    "dict": lambda a: {"X": a.X},
+    "None": lambda a: None,
+}
+
+
+@settings(FUZZ, max_examples=N_CLI)
+@given(
+    problem=problems(),
+    wrong=st.sampled_from(sorted(NOT_ANNDATA)),
+    where=st.sampled_from(["adata", "reference", "predict"]),
+)
+def test_fuzz_objects_that_are_not_anndata(problem, wrong, where, fuzz_model):
+    """Anything but an AnnData as ``adata`` or ``reference`` (or given to ``tl.predict``) is one
+    OrcaInputError naming the argument, and the AnnData passed beside it is untouched.
+    """
+    ref, query, options = problem
+    query = ref if query is None else query
+    assume(not (wrong == "None" and where == "reference"))  # no reference: one-AnnData mode
+    obj = NOT_ANNDATA[wrong](ref if where == "reference" else query)
+    other = query if where == "reference" else ref
+    before = _digest(other)
+    with warnings.catch_warnings(), pytest.raises(OrcaInputError) as err:
+        warnings.simplefilter("ignore")
+        if where == "predict":
+            orca_sc.tl.predict(obj, fuzz_model)
+        elif where == "reference":
+            orca_sc.tl.annotate(query, obj, labels_key="ct", copy=True, **options, **TINY)
+        else:
+            orca_sc.tl.annotate(obj, ref, labels_key="ct", copy=True, **options, **TINY)
+    msg = str(err.value)
+    name = "reference" if where == "reference" else "adata"
+    assert msg.startswith(f"{name} must be an AnnData") and "\n" not in msg, msg
+    assert _digest(other) == before
 
 
 def test_fuzz_examples_reach_both_outcomes():

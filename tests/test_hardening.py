@@ -314,6 +314,60 @@ def test_value_messages_say_what_is_wrong():
         get_matrix(text, None, "query")
 
 
+def test_objects_that_are_not_anndata_name_the_fix():
+    """Several AnnData, a DataFrame or a path where one AnnData is expected: one OrcaInputError
+    that says what to pass instead (not ``AttributeError: 'list' object has no attribute ...``).
+    """
+    ref, query = _split(n=100)
+    cases = [
+        (lambda: orca_sc.tl.annotate([query, query], ref, labels_key="cell_type"),
+         r"adata must be an AnnData, got a list of 2 objects; .*anndata.concat"),
+        (lambda: orca_sc.tl.annotate(query.to_df(), ref, labels_key="cell_type"),
+         r"adata must be an AnnData, got a pandas DataFrame; wrap it as anndata.AnnData\(df\)"),
+        (lambda: orca_sc.tl.annotate(query, ref.to_df(), labels_key="cell_type"),
+         r"reference must be an AnnData, got a pandas DataFrame"),
+        (lambda: orca_sc.OrcaModel.fit("query.h5ad", ref, labels_key="cell_type"),
+         r"adata must be an AnnData, got a path \('query.h5ad'\); read it first"),
+    ]  # fmt: skip
+    for call, match in cases:
+        with pytest.raises(OrcaInputError, match=match):
+            call()
+
+
+def test_backed_query_with_copy_is_refused_and_runs_without(tmp_path):
+    ref, query = _split(n=300)
+    query.write_h5ad(tmp_path / "q.h5ad")
+    before = (tmp_path / "q.h5ad").read_bytes()
+    backed = ad.read_h5ad(tmp_path / "q.h5ad", backed="r")
+    with pytest.raises(OrcaInputError, match="copy=True cannot copy an AnnData opened in backed"):
+        orca_sc.tl.annotate(backed, ref, labels_key="cell_type", copy=True, **FAST)
+    orca_sc.tl.annotate(backed, ref, labels_key="cell_type", **FAST)
+    assert backed.obs["orca_label"].notna().all() and backed.obsm["X_orca"].shape[0] == query.n_obs
+    assert (tmp_path / "q.h5ad").read_bytes() == before  # the file itself is not written
+
+
+def test_label_columns_that_are_not_cell_types():
+    """A continuous column or a per-cell identifier given as labels_key is refused (it used to
+    run as hundreds of one-cell classes); integer codes stored as floats are cell types.
+    """
+    ref, query = _split(n=400)
+    ref.obs["score"] = np.random.default_rng(0).random(ref.n_obs)
+    with pytest.raises(OrcaInputError, match=r"obs\['score'\] of the reference holds continuous "
+                       r"numbers .* Columns that could hold them: 'cell_type'"):  # fmt: skip
+        orca_sc.tl.annotate(query, ref, labels_key="score", **FAST)
+    ref.obs["barcode"] = [f"AAC{i}" for i in range(ref.n_obs)]
+    with pytest.raises(OrcaInputError, match=r"holds a value per cell \(\d+ distinct values"):
+        orca_sc.tl.annotate(query, ref, labels_key="barcode", **FAST)
+    ref.obs["code"] = ref.obs["cell_type"].cat.codes.astype(float)
+    out = orca_sc.tl.annotate(query, ref, labels_key="code", copy=True, **FAST)
+    known = out.obs["orca_label"][~out.obs["orca_label"].isin(out.obs["orca_novel"].dropna())]
+    assert set(known.astype(str)) <= {"0.0", "1.0", "2.0"}
+    single = ad.concat([ref, query], join="inner")
+    single.obs["score"] = [*ref.obs["score"], *[np.nan] * query.n_obs]
+    with pytest.raises(OrcaInputError, match=r"obs\['score'\] of the AnnData holds continuous"):
+        orca_sc.tl.annotate(single, labels_key="score", **FAST)
+
+
 # ------------------------------------------------------------- 3, 4, 7: model files
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):

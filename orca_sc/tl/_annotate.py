@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from .._config import DEFAULT, OrcaConfig, resolve_config
-from .._errors import check_output_path
+from .._errors import check_anndata, check_copy, check_output_path
 
 
 def annotate(
@@ -72,6 +72,10 @@ def annotate(
     from .._dist import main_process
     from .._model import train
 
+    check_anndata(adata, "adata")
+    if reference is not None:
+        check_anndata(reference, "reference")
+    check_copy(adata, copy)
     cfg = resolve_config(
         config,
         "annotate()",

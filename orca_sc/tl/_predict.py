@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._annotation import predict_uns
+from .._errors import check_anndata, check_copy
 from .._model import OrcaModel
 from ._annotate import write_fields
 
@@ -52,6 +53,8 @@ def predict(
     ``novel_similarity``, ``input_scale``, ``n_genes_missing`` and ``version``.
 
     """
+    check_anndata(adata, "adata")
+    check_copy(adata, copy)
     if not isinstance(model, OrcaModel):
         model = OrcaModel.load(model)
     adata = adata.copy() if copy else adata
