@@ -20,7 +20,7 @@ from _overrides import config_overrides
 
 import orca_sc
 from orca_sc.benchmark import annotate_task, dev_suite, score, suite_markdown
-from orca_sc.benchmark._methods import novelty_test_shares
+from orca_sc.benchmark._methods import confidence_figures, novelty_test_shares
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -60,6 +60,8 @@ def main() -> None:
                 "error": "",
                 **_self_check_columns(q.uns["orca"].get("self_check")),
                 **novelty_test_shares(q, sl, task),
+                **confidence_figures(q, sl, task),
+                **_per_cell_columns(q, sl, task),
             }
             rows.append(row)
             print(
@@ -78,6 +80,19 @@ def main() -> None:
     md = suite_markdown(runs, settings)
     args.out.with_suffix(".md").write_text(md)
     print(md)
+
+
+def _per_cell_columns(q, rows, task) -> dict:
+    """With ``--set majority_vote=True``: the per-cell labels' figures (``per_cell_*``) beside
+    the voted ones, from the same run, and the share of query cells in mixed clusters.
+    """
+    if "orca_label_per_cell" not in q.obs:
+        return {}
+    per_cell = q.obs["orca_label_per_cell"].astype(str).to_numpy()[rows]
+    figures = score(task.truth, per_cell, task.seen, True)
+    mixed = q.obs["orca_vote_mixed"].to_numpy()[rows]
+    return {**{f"per_cell_{k}": v for k, v in figures.items()},
+            "vote_mixed_share": float(mixed.mean())}  # fmt: skip
 
 
 def _self_check_columns(check: dict | None) -> dict:

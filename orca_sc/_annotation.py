@@ -17,24 +17,29 @@ class Annotation:
     """Per-cell results for the rows of the AnnData being annotated, plus the run's record."""
 
     labels: np.ndarray  # (n,) known type or novel cluster name
-    confidence: np.ndarray  # (n,) max softmax
+    confidence: np.ndarray  # (n,) see orca_sc._model._confidence
     novelty: np.ndarray  # (n,) see OrcaModel.novelty
     embedding: np.ndarray  # (n, D)
     novel_names: list[str]
     uns: dict[str, Any]
     pvalue: np.ndarray | None = None  # (n,) conformal novelty p-value (NaN: labelled cell)
     qvalue: np.ndarray | None = None  # (n,) its Benjamini-Hochberg q-value over the query
+    per_cell_labels: np.ndarray | None = None  # (n,) before majority voting (None: no vote)
+    vote_cluster: np.ndarray | None = None  # (n,) over-cluster of the vote (-1: not voted)
+    vote_mixed: np.ndarray | None = None  # (n,) the cell's over-cluster is mixed (label kept)
 
 
 @dataclass(frozen=True)
 class Naming:
     """How the novel heads were named: novel clusters merged into a known type of another batch
     (column-wise: ``cluster``, ``type``, ``n_cells``, ``correlation``, so that it can be stored
-    in an h5ad file) and the novel heads in name order.
+    in an h5ad file), the novel heads in name order, and novel heads of different batches that
+    are one type and share a name (``cluster``, ``same_as``, ``name``, ``correlation``).
     """
 
     merged: dict[str, list]
     order: list[int]
+    same: dict[str, list]  # novel heads of several batches that are one type (column-wise)
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,8 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
 
 
 def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_key: str,
-                 mode: str, test: NoveltyTest | None = None) -> dict[str, Any]:  # fmt: skip
+                 mode: str, test: NoveltyTest | None, confidence: dict[str, Any],
+                 ) -> dict[str, Any]:  # fmt: skip
     """``uns['orca']`` of :func:`orca_sc.tl.annotate` (every field is listed in its docstring).
 
     ``fit``: the :class:`orca_sc._pipeline.Fit`; ``model``: its named
@@ -99,6 +105,7 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
         "novel_cluster_sizes": {n: int(counts[names.index(n)]) for n in model.novel_names},
         "novel_similarity": model.novel_similarity(),
         "merged_into_known": naming.merged,
+        "same_novel_type": naming.same,
         "n_novel": {
             "requested": str(cfg.n_novel),
             "estimated": found.n_novel,
@@ -108,6 +115,7 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
         "estimate": model.estimate,
         "self_check": fit.self_check,
         "novelty_test": test.record if test is not None else None,
+        "confidence": confidence,
         "input_scale": data.input_scale,
         "alignment": {**fit.transform.info, "batches": data.domain_names},
         "data": data.info,

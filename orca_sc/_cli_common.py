@@ -55,6 +55,7 @@ class Group(click.Group):
     command_class = Command
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["orca_argv"] = list(args)  # the command line, for a saved model's card
         return _usage_in_one_line(super().parse_args, ctx, args, "orca-sc")
 
     def resolve_command(self, ctx: click.Context, args: list[str]):

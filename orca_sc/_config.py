@@ -266,6 +266,9 @@ class OrcaConfig:
         A nearest neighbour is a partner only if the cell is among its this many nearest (0: the paper's rule).
     device
         ``"auto"`` (CUDA, then MPS, then CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``.
+    majority_vote
+        Refine the labels by majority voting over an over-clustering of the annotated cells
+        (CellTypist's rule); the per-cell labels are kept beside them.
     seed
         Seeds every random choice; same seed and device give identical labels.
     progress
@@ -307,6 +310,7 @@ class OrcaConfig:
     pair_space: PairSpace = "both"
     pair_pcs: int = 30
     mutual_pairs: int = 3
+    majority_vote: bool = False
     device: str = "auto"
     seed: int = 0
     progress: bool = True
@@ -382,6 +386,8 @@ class OrcaConfig:
             object.__setattr__(self, "discovery", DiscoveryConfig.from_dict(self.discovery))
         if not isinstance(self.discovery, DiscoveryConfig):
             _invalid("discovery", self.discovery, "a DiscoveryConfig")
+        if not isinstance(self.majority_vote, bool):
+            _invalid("majority_vote", self.majority_vote, "True or False")
         if not (_is_int(self.seed) and 0 <= self.seed < 2**32):
             _invalid("seed", self.seed, "an integer from 0 to 2**32 - 1")
 

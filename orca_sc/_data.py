@@ -259,10 +259,17 @@ def _encode_single(adata: Any, labels_key: str, config: OrcaConfig) -> _Encoded:
 
 
 def _encode_reference(adata: Any, reference: Any, labels_key: str, config: OrcaConfig) -> _Encoded:
-    """A labelled reference (its unlabelled cells dropped) and a query."""
+    """A labelled reference (its unlabelled cells dropped) and a query, or several queries
+    (``adata`` a list: their cells follow one another, each query a batch of its own unless
+    ``batch_key`` names their batches).
+    """
+    queries = list(adata) if isinstance(adata, (list, tuple)) else [adata]
+    several = isinstance(adata, (list, tuple))
+    names = [f"query_{i + 1}" for i in range(len(queries))] if several else ["query"]
     _check_has_cells(reference, "reference")
-    _check_has_cells(adata, "query")
-    check_unique_genes(adata.var_names, "query")
+    for q, name in zip(queries, names, strict=True):
+        _check_has_cells(q, name)
+        check_unique_genes(q.var_names, name)
     check_unique_genes(reference.var_names, "reference")
     col = _labels_column(reference, labels_key, "reference")
     unl = _is_unlabeled(col, config.unlabeled_category)
@@ -275,27 +282,27 @@ def _encode_reference(adata: Any, reference: Any, labels_key: str, config: OrcaC
         raise OrcaInputError(msg)
     keep = np.flatnonzero(~unl)
     classes = _class_order(col, ~unl)
+    n_query = sum(q.n_obs for q in queries)
     labels = np.concatenate(
-        [_encode(col, unl, classes)[keep], np.full(adata.n_obs, -1, dtype=np.int64)]
+        [_encode(col, unl, classes)[keep], np.full(n_query, -1, dtype=np.int64)]
     )
-    genes = shared_genes(
-        reference.var_names.astype(str), adata.var_names.astype(str), config.min_shared_genes
-    )
+    genes = reference.var_names.astype(str)
+    for q in queries:  # genes of the reference found in every query
+        genes = pd.Index(shared_genes(genes, q.var_names.astype(str), config.min_shared_genes))
+    genes = genes.tolist()
     if config.batch_key is not None:
-        batches = np.concatenate(
-            [
-                batch_column(reference, config.batch_key, "reference")[keep],
-                batch_column(adata, config.batch_key, "query"),
-            ]
-        )
+        parts = [batch_column(reference, config.batch_key, "reference")[keep]]
+        parts += [batch_column(q, config.batch_key, n) for q, n in zip(queries, names, strict=True)]
+        batches = np.concatenate(parts)
     else:
-        batches = np.array(["reference"] * len(keep) + ["query"] * adata.n_obs, dtype=object)
+        parts = [["reference"] * len(keep)] + [[n] * q.n_obs for q, n in zip(queries, names,
+                                                                              strict=True)]  # fmt: skip
+        batches = np.array([b for part in parts for b in part], dtype=object)
     if unl.any():
         logger.info("Dropping %d unlabelled reference cells.", int(unl.sum()))
-    inputs = [
-        _Input(reference, "reference", keep, reference.var_names.get_indexer(genes)),
-        _Input(adata, "query", None, adata.var_names.get_indexer(genes)),
-    ]
+    inputs = [_Input(reference, "reference", keep, reference.var_names.get_indexer(genes))]
+    inputs += [_Input(q, n, None, q.var_names.get_indexer(genes)) for q, n in zip(queries, names,
+                                                                                 strict=True)]  # fmt: skip
     return _Encoded(inputs, labels, classes, genes, batches, np.arange(len(keep), len(labels)))
 
 

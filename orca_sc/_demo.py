@@ -42,6 +42,9 @@ def umap_figure(adata, truth_key: str = "bulk_labels"):
     matplotlib.use("Agg")  # files only; never opens a window
     import scanpy as sc
 
+    from .pl import match_colors
+
+    match_colors(adata, truth_key)  # a type has one colour in both panels
     sc.pp.neighbors(adata, use_rep="X_orca", random_state=0)
     sc.tl.umap(adata, random_state=0)
     fig = sc.pl.umap(

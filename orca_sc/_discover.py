@@ -1103,27 +1103,77 @@ def match_known_types(
     return merged
 
 
+def match_novel_across_batches(
+    X: sp.csr_matrix,
+    domain: np.ndarray,
+    clusters: np.ndarray,
+    n_clusters: int,
+    threshold: float = _DEFAULTS.merge_threshold,
+) -> list[tuple[int, int, float]]:
+    """Novel clusters of different batches that are one novel type (e.g. a type present in two
+    queries, found in each): their within-batch marker signatures (as in
+    :func:`match_known_types`) correlate at least ``threshold`` and each is the other's best
+    match among the clusters of the other's batch. Returns ``[(cluster, same_as, correlation)]``
+    (``same_as`` the larger of the two).
+    """
+    n_domains = int(domain.max()) + 1
+    if n_domains < 2 or n_clusters < 2:
+        return []
+    all_means, _ = group_domain_means(X, np.zeros(X.shape[0], dtype=np.int64), 1, domain, n_domains)
+    background = all_means[0]
+    means, counts = group_domain_means(X, clusters, n_clusters, domain, n_domains)
+    main = counts.argmax(axis=1)
+    sig = means[np.arange(n_clusters), main] - background[main]
+    sig = sig - sig.mean(axis=1, keepdims=True)
+    sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
+    corr = sig @ sig.T
+    size = counts.sum(axis=1)
+    corr[:, size == 0] = -np.inf
+    corr[main[:, None] == main[None, :]] = -np.inf  # only clusters of different batches
+    pairs = []
+    for a in range(n_clusters):  # loop over clusters, not cells
+        if size[a] == 0:
+            continue
+        b = int(np.argmax(corr[a]))
+        best_of_b = int(np.argmax(np.where(main == main[a], corr[b], -np.inf)))
+        if corr[a, b] >= threshold and best_of_b == a and size[a] < size[b] + (a > b):
+            pairs.append((a, b, float(corr[a, b])))
+    return pairs
+
+
 def name_heads(
-    counts: np.ndarray, classes: list[str], merged: list[tuple[int, int, float]]
+    counts: np.ndarray,
+    classes: list[str],
+    merged: list[tuple[int, int, float]],
+    same: list[tuple[int, int, float]] = (),
 ) -> tuple[list[str | None], list[int]]:
     """Output name of every head: seen heads keep their class; a novel head merged into a known
     type (:func:`match_known_types`) takes the type's name; the other novel heads with cells are
     ``novel_1``, ``novel_2``, ... by size among the unlabelled cells (``counts``, per novel head),
     largest first, skipping names that are known types (a reference that is itself an annotated
-    query has classes ``novel_1``, ...); heads without cells are ``None`` (pruned). Returns the
-    names and the novel heads in name order.
+    query has classes ``novel_1``, ...); heads without cells are ``None`` (pruned). Novel heads
+    that are one type in several batches (``same``: :func:`match_novel_across_batches`) share
+    the name of the larger, ranked by their size together. Returns the names and the novel heads
+    in name order.
     """
     n_seen = len(classes)
     names: list[str | None] = list(classes) + [None] * len(counts)
     for h, k, _ in merged:
         names[n_seen + h] = classes[k]
+    root = np.arange(len(counts))
+    for a, b, _ in same:
+        root[root == root[a]] = root[b]
+    total = np.bincount(root, weights=counts, minlength=len(counts))
     order = [
         int(h)
-        for h in np.argsort(-counts, kind="stable")
-        if counts[h] > 0 and names[n_seen + h] is None
+        for h in np.argsort(-total, kind="stable")
+        if root[h] == h and total[h] > 0 and names[n_seen + h] is None
     ]
     taken = set(classes)
     free = (f"novel_{i}" for i in itertools.count(1) if f"novel_{i}" not in taken)
     for h in order:
-        names[n_seen + h] = next(free)
+        name = next(free)
+        for member in np.flatnonzero((root == h) & (counts > 0)):
+            if names[n_seen + member] is None:
+                names[n_seen + member] = name
     return names, order

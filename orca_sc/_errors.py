@@ -61,9 +61,10 @@ def check_output_path(path: Any, what: str) -> Path | None:
     return p
 
 
-def check_anndata(obj: Any, what: str) -> None:
+def check_anndata(obj: Any, what: str, *, several: bool = False) -> None:
     """Refuse anything but an :class:`anndata.AnnData` as ``what`` ("adata", "reference"), with
-    the fix for what was passed instead (several AnnData, a DataFrame, an array, a path).
+    the fix for what was passed instead (several AnnData, a DataFrame, an array, a path);
+    ``several``: the caller also takes a list of AnnData.
     """
     import anndata as ad
 
@@ -72,8 +73,10 @@ def check_anndata(obj: Any, what: str) -> None:
     kind = type(obj).__name__
     if isinstance(obj, (list, tuple)):
         fix = (
-            f"a {kind} of {len(obj)} objects; pass one AnnData (concatenate samples with "
-            "anndata.concat(..., label='sample') and pass batch_key='sample')"
+            f"a {kind} of {len(obj)} objects; pass one AnnData (for several samples, "
+            "orca_sc.tl.annotate([q1, q2], reference, ...) trains one model on all; or "
+            "concatenate them with anndata.concat(..., label='sample') and pass "
+            "batch_key='sample')"
         )
     elif kind == "DataFrame":
         fix = (
@@ -86,7 +89,8 @@ def check_anndata(obj: Any, what: str) -> None:
         fix = f"a {kind}; wrap the matrix as anndata.AnnData(X, obs=..., var=...) with gene names"
     else:
         fix = f"a {kind}; pass an anndata.AnnData"
-    raise OrcaInputError(f"{what} must be an AnnData, got {fix}.")
+    expected = "an AnnData or a list of them" if several else "an AnnData"
+    raise OrcaInputError(f"{what} must be {expected}, got {fix}.")
 
 
 def check_copy(adata: Any, copy: bool) -> None:

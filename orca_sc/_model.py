@@ -17,15 +17,18 @@ import torch
 from . import __version__
 from ._align import aligned_group_means, centroid_shift, identity, profile_similarity, standardize
 from ._annotation import Annotation, Naming, annotate_uns, jsonable, novelty_test
+from ._calibration import apply_transfer, calibrate
+from ._card import model_card
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
-from ._discover import match_known_types, name_heads
+from ._discover import match_known_types, match_novel_across_batches, name_heads
 from ._errors import OrcaInputError, check_anndata, check_input_file
 from ._pipeline import Fit
 from ._pipeline import fit as fit_run
 from ._read import open_matrix, warn_empty
 from ._store import spill_csr
 from ._train import CellMatrix, infer, resolve_device
+from ._vote import Vote, majority_vote
 from .module import OrcaNet
 
 logger = logging.getLogger(__name__)
@@ -59,25 +62,79 @@ def train(
     model = OrcaModel._from_fit(fit)
     naming = model.name_novel_heads(data, model.assign_heads(fit.probs))
     model.calibrate_novelty(fit.embedding[data.labeled])
-    head = model.assign_heads(fit.probs)  # pruned heads excluded
+    head = model.canonical_heads(model.assign_heads(fit.probs))  # pruned heads excluded
     model.similarity = _novel_similarity(fit, head, model.head_names, model.novel_names)
+    sizes = np.bincount(head[~data.labeled], minlength=len(model.head_names))
+    novel_sizes = {n: int(sizes[model.head_names.index(n)]) for n in model.novel_names}
+    model.card = model_card(fit, novel_sizes, labels_key)
     mode = "single" if reference is None else "reference"
     out = data.output_rows
     labels = model.labels_for(head)
     test = novelty_test(fit.novelty_pvalues, labels, data.labeled, model.novel_names, cfg.discovery)
     for note in test.notes if test is not None else []:
         logger.warning(note)
+    confidence, calibration = _confidence(fit, head, model)
+    uns = annotate_uns(fit, model, head, naming, labels_key, mode, test, calibration)
+    vote = None
+    if cfg.majority_vote:
+        vote = _majority_vote(fit, labels)
+        uns["majority_vote"] = vote.record
     annotation = Annotation(
-        labels=labels[out],
-        confidence=fit.probs.max(axis=1)[out],
+        labels=(labels if vote is None else vote.labels)[out],
+        confidence=confidence[out],
         novelty=model.novelty(fit.embedding[out]),
         embedding=fit.embedding[out],
         novel_names=model.novel_names,
-        uns=annotate_uns(fit, model, head, naming, labels_key, mode, test),
+        uns=uns,
         pvalue=test.pvalue[out] if test is not None else None,
         qvalue=test.qvalue[out] if test is not None else None,
+        per_cell_labels=None if vote is None else labels[out],
+        vote_cluster=None if vote is None else vote.cluster[out],
+        vote_mixed=None if vote is None else vote.mixed[out],
     )
     return model, annotation
+
+
+def _majority_vote(fit: Fit, labels: np.ndarray) -> Vote:
+    """Labels voted over an over-clustering of the annotated (unlabelled) cells
+    (:mod:`orca_sc._vote`), as arrays over all cells: labelled cells keep their labels, cluster
+    ``-1`` and are not mixed.
+    """
+    unl = ~fit.data.labeled
+    v = majority_vote(fit.embedding[unl], labels[unl], seed=fit.config.seed,
+                      max_cells=fit.config.discovery.max_cells)  # fmt: skip
+    voted = labels.copy()
+    voted[unl] = v.labels
+    cluster = np.full(labels.size, -1, dtype=np.int64)
+    cluster[unl] = v.cluster
+    mixed = np.zeros(labels.size, dtype=bool)
+    mixed[unl] = v.mixed
+    return Vote(voted, cluster, mixed, v.record)
+
+
+def _confidence(fit: Fit, head: np.ndarray, model: OrcaModel) -> tuple[np.ndarray, dict[str, Any]]:
+    """Every cell's confidence and its record for ``uns``: for cells labelled a known type by a
+    seen head, the calibrated probability that the label is right (:mod:`orca_sc._calibration`;
+    the map is kept in ``model.confidence_map`` for ``predict``); for cells of novel clusters
+    (and all cells without the cross-fitted warm-ups, ``novelty_folds=0``) the final net's
+    probability of the cell's head.
+    """
+    final = fit.probs[np.arange(head.size), head]
+    if fit.fold_predictions is None:
+        return final, {"calibrated": False, "meaning": CONFIDENCE_MEANING[False]}
+    known = head < len(model.classes)
+    cal = calibrate(fit.fold_predictions, final, known)
+    model.confidence_map = cal.transfer
+    record = {"calibrated": True, "meaning": CONFIDENCE_MEANING[True], **cal.record}
+    return cal.confidence, record
+
+
+#: what ``obs['orca_confidence']`` means, calibrated or not (``uns['orca']['confidence']``)
+CONFIDENCE_MEANING = {
+    True: "known types: the probability that the label is right (calibrated on held-out "
+    "labelled cells); novel clusters: the model's probability of the cluster's head",
+    False: "the model's probability of the cell's head (maximum softmax; not calibrated)",
+}
 
 
 class OrcaModel:
@@ -89,7 +146,10 @@ class OrcaModel:
     ``novelty_quantiles``: 1,001 quantiles of the labelled cells' cosine to their nearest seen
     head (:meth:`novelty`; empty until :meth:`calibrate_novelty`); ``similarity``:
     see :meth:`novel_similarity`; ``alignment`` and ``estimate``: the training run's alignment
-    and discovery records; ``trained_with``: the orca_sc version that trained it.
+    and discovery records; ``trained_with``: the orca_sc version that trained it;
+    ``confidence_map``: isotonic knots ``(x, y)`` from a cell's maximum probability to its
+    calibrated confidence (:meth:`confidence`; empty: not calibrated); ``card``: what it was
+    trained on and how well it labels held-out reference cells (:meth:`describe`).
     """
 
     def __init__(
@@ -107,6 +167,8 @@ class OrcaModel:
         alignment: dict[str, Any] | None = None,
         estimate: dict[str, Any] | None = None,
         trained_with: str = "",
+        confidence_map: tuple[list[float], list[float]] | None = None,
+        card: dict[str, Any] | None = None,
     ) -> None:
         self.net = net
         self.config = config
@@ -120,6 +182,9 @@ class OrcaModel:
         self.alignment = alignment or {}
         self.estimate = estimate or {}
         self.trained_with = trained_with
+        x, y = confidence_map or ([], [])
+        self.confidence_map = ([float(v) for v in x], [float(v) for v in y])
+        self.card = card or {}
 
     # ------------------------------------------------------------------------------------ fit
     @classmethod
@@ -193,14 +258,35 @@ class OrcaModel:
             pairs = match_known_types(
                 data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold
             )
-        self.head_names, order = name_heads(counts, self.classes, pairs)
+        same = []
+        if threshold is not None and n_novel > 1:  # one novel type found in several batches
+            into_known = {h for h, _, _ in pairs}
+            clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
+            clusters[np.isin(clusters, list(into_known))] = -1
+            same = match_novel_across_batches(data.X, data.domain, clusters, n_novel, threshold)
+        self.head_names, order = name_heads(counts, self.classes, pairs, same)
         merged = {
             "cluster": [f"head_{h}" for h, _, _ in pairs],
             "type": [self.classes[k] for _, k, _ in pairs],
             "n_cells": [int(counts[h]) for h, _, _ in pairs],
             "correlation": [round(r, 4) for _, _, r in pairs],
         }
-        return Naming(merged, order)
+        return Naming(merged, order, {
+            "cluster": [f"head_{a}" for a, _, _ in same],
+            "same_as": [f"head_{b}" for _, b, _ in same],
+            "name": [self.head_names[n_seen + b] for _, b, _ in same],
+            "correlation": [round(r, 4) for _, _, r in same],
+        })  # fmt: skip
+
+    def canonical_heads(self, head: np.ndarray) -> np.ndarray:
+        """``head`` with every head replaced by the first head of the same name (novel heads
+        that are one type in several batches share a name).
+        """
+        first = {}
+        for i, n in enumerate(self.head_names):
+            first.setdefault(n, i)
+        canon = np.array([first[n] if n is not None else i for i, n in enumerate(self.head_names)])
+        return canon[head]
 
     def seen_cosine(self, embedding: np.ndarray) -> np.ndarray:
         """Each cell's cosine to its nearest seen-class head, ``(n,)``, from its L2-normalised
@@ -231,6 +317,26 @@ class OrcaModel:
         below = np.interp(self.seen_cosine(embedding), q, np.linspace(0, 1, q.size))
         return (1.0 - below).astype(np.float32)
 
+    def confidence(self, pred: Prediction) -> np.ndarray:
+        """Confidence of new cells: for those labelled a known type, the calibrated probability
+        that the label is right, through the training run's map from the maximum probability
+        (``confidence_map``); otherwise (novel clusters, or a model without a map) the maximum
+        probability.
+        """
+        conf = pred.confidence.astype(np.float32)
+        known = pred.head < len(self.classes)
+        return np.where(known, apply_transfer(self.confidence_map, conf), conf)
+
+    def describe(self) -> str:
+        """The model's card as text (what ``orca-sc predict --info MODEL`` prints): the reference
+        (cells per type, genes, batches), the accuracy of each known type on held-out reference
+        cells, the novel clusters, the self-check, notes, options and versions; the card itself
+        is ``model.card``.
+        """
+        from ._card import format_card
+
+        return format_card(self.card, self.genes)
+
     def labels_for(self, head: np.ndarray) -> np.ndarray:
         """Output label (class or novel cluster name) of each cell's head."""
         names = np.array([n if n is not None else "" for n in self.head_names], dtype=object)
@@ -240,9 +346,9 @@ class OrcaModel:
     def novel_names(self) -> list[str]:
         """Names of the novel clusters (kept novel heads): ``novel_1`` (largest), ``novel_2``, ..."""
         known = set(self.classes)  # a novel head merged into a known type carries its name
-        names = [
+        names = {
             n for n in self.head_names[len(self.classes) :] if n is not None and n not in known
-        ]
+        }
         return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]))
 
     def novel_similarity(self) -> dict[str, Any]:
@@ -355,6 +461,8 @@ class OrcaModel:
                 "novel_similarity": self.similarity,
                 "version": self.trained_with,
                 "seen_cosine_quantiles": self.novelty_quantiles,
+                "confidence_map": list(self.confidence_map),
+                "card": self.card,
             },
         }
         payload = {
@@ -404,6 +512,8 @@ class OrcaModel:
             meta.get("history"), novelty_quantiles=extra.get("seen_cosine_quantiles"),
             similarity=extra.get("novel_similarity"), alignment=extra.get("alignment"),
             estimate=extra.get("estimate"), trained_with=extra.get("version", ""),
+            confidence_map=_confidence_map(extra.get("confidence_map"), f"Model file {str(path)!r}"),
+            card=extra.get("card") if isinstance(extra.get("card"), dict) else None,
         )  # fmt: skip
 
 
@@ -426,6 +536,21 @@ def _novel_similarity(fit: Fit, head: np.ndarray, head_names: list, novel_names:
         "types": list(data.classes),
         "similarity": np.round(sims[order], 4).tolist(),
     }
+
+
+def _confidence_map(value: Any, what: str) -> tuple[list[float], list[float]] | None:
+    """A saved ``confidence_map`` (absent in older files: ``None``), checked."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and len(value) == 2 and all(isinstance(v, list) for v in value)
+    if ok:
+        x, y = (np.asarray(v, dtype=np.float64) for v in value)
+        ok = x.shape == y.shape and np.isfinite(x).all() and np.isfinite(y).all()
+        ok = ok and bool(np.all(np.diff(x) >= 0)) and bool(((y >= 0) & (y <= 1)).all())
+    if not ok:
+        msg = f"{what} is damaged or was edited: its confidence map is not two lists of knots."
+        raise OrcaInputError(msg + " Retrain it, or re-save it with orca_sc.")
+    return value[0], value[1]
 
 
 _NOVEL_NAME = re.compile(r"novel_[0-9]+")

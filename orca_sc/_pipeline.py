@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ._align import class_centroids, compute_transform
+from ._calibration import FoldPredictions
 from ._config import OrcaConfig
 from ._conformal import CrossConformal, fold_ids, knn_distance
 from ._data import PreparedData, prepare
@@ -178,6 +179,7 @@ class Fit:
     timings: Timings
     training: dict[str, Any]  # device, layout, density, processes
     novelty_pvalues: np.ndarray | None  # (n,) NaN for labelled cells; None: not computed
+    fold_predictions: FoldPredictions | None  # the cross-fitted warm-ups' predictions, or None
 
 
 def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> Fit:
@@ -204,7 +206,9 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     probs, embedding = infer(ow.net, run.cells, comm=run.comm)
     t4 = time.perf_counter()
     folds = run.config.discovery.novelty_folds
-    pvalues = novelty_pvalues(run, folds) if folds and run.plan.warmup > 0 else None
+    pvalues, fold_pred = None, None
+    if folds and run.plan.warmup > 0:
+        pvalues, fold_pred = cross_fit(run, folds, probs[:, : run.n_seen].argmax(axis=1))
     t5 = time.perf_counter()
     cells = run.cells
     training = {"device": str(cells.device), "layout": cells.layout, "density": cells.density,
@@ -212,7 +216,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     return Fit(
         run.data, run.transform, run.config, run.plan, ow.net, warm.history + ow.history, found,
         check, _anchor_centroids(run), probs, embedding,
-        Timings(t1 - t0, t2 - t1, t3 - t2, t5 - t4), training, pvalues,
+        Timings(t1 - t0, t2 - t1, t3 - t2, t5 - t4), training, pvalues, fold_pred,
     )  # fmt: skip
 
 
@@ -337,17 +341,26 @@ def self_check(run: RunContext) -> dict[str, Any]:
 NOVELTY_REFERENCE_CELLS = 10_000
 
 
-def novelty_pvalues(run: RunContext, n_folds: int) -> np.ndarray:
-    """Cross-fitted conformal novelty p-value of every unlabelled cell (NaN for labelled ones;
-    :mod:`orca_sc._conformal`): one supervised warm-up without each of ``n_folds`` folds of the
-    labelled cells, whose held-out cells calibrate the kNN score of the unlabelled cells (the
-    neighbours among at most :data:`NOVELTY_REFERENCE_CELLS` of the fold's training cells).
+def cross_fit(
+    run: RunContext, n_folds: int, seen_top: np.ndarray
+) -> tuple[np.ndarray, FoldPredictions]:
+    """One supervised warm-up without each of ``n_folds`` folds of the labelled cells, for two
+    uses. (1) The cross-fitted conformal novelty p-value of every unlabelled cell (NaN for
+    labelled ones; :mod:`orca_sc._conformal`): the held-out cells calibrate the kNN score of the
+    unlabelled cells (neighbours among at most :data:`NOVELTY_REFERENCE_CELLS` of the fold's
+    training cells). (2) The fold nets' predictions that calibrate the confidence
+    (:mod:`orca_sc._calibration`); ``seen_top``: every cell's most probable known type under the
+    final net.
     """
     data, cfg = run.data, run.config
     folds = fold_ids(data.labels, n_folds, cfg.seed)
     test = np.flatnonzero(~data.labeled)
     counts = CrossConformal(test.size)
     rng = np.random.default_rng(cfg.seed)
+    held_prob = np.zeros(data.n_cells)
+    held_correct = np.zeros(data.n_cells, dtype=bool)
+    label_prob = np.full((n_folds, data.n_cells), np.nan, dtype=np.float32)
+    every = np.arange(data.n_cells)
     for f in range(n_folds):  # loop over folds, not cells
         held = folds == f
         if not held.any():
@@ -358,19 +371,23 @@ def novelty_pvalues(run: RunContext, n_folds: int) -> np.ndarray:
         train = np.flatnonzero(labels >= 0)
         if train.size > NOVELTY_REFERENCE_CELLS:  # the same random labelled cells score all
             train = np.sort(rng.choice(train, NOVELTY_REFERENCE_CELLS, replace=False))
-        _, emb = infer(net, run.cells, comm=run.comm)
+        probs, emb = infer(net, run.cells, comm=run.comm)
         # every rank has the embedding; the scores are counted once
         run.comm.on_main(partial(_count_fold, counts, emb, train, held, test))
+        held_prob[held] = probs[held].max(axis=1)
+        held_correct[held] = probs[held].argmax(axis=1) == data.labels[held]
+        label_prob[f] = probs[every, seen_top]
     p = np.full(data.n_cells, np.nan)
     p[test] = run.comm.on_main(counts.pvalues)
-    return p
+    lab = data.labeled
+    return p, FoldPredictions(held_prob[lab], held_correct[lab], folds, label_prob)
 
 
 # ------------------------------------------------------------------------------------ helpers
 def _count_fold(
     counts: CrossConformal, emb: np.ndarray, train: np.ndarray, held: np.ndarray, test: np.ndarray
 ) -> None:
-    """One fold of :func:`novelty_pvalues`: the kNN scores of its held-out and of the test cells
+    """One fold of :func:`cross_fit`: the kNN scores of its held-out and of the test cells
     against its training cells ``train`` in its net's embedding ``emb``, into ``counts``.
     """
     counts.add(knn_distance(emb[train], emb[held]), knn_distance(emb[train], emb[test]))

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import click
 
 from . import __version__
+from ._card import command_line
 from ._cli_common import (
     CliError,
     Group,
@@ -104,7 +106,14 @@ def _save_results(adata, outputs, out_path, report_path, report: dict, layer, tr
     summary = summarize(adata, layer=layer)
     metrics = _truth_metrics(adata, truth_key)
     outputs.add(out_path, lambda p: adata.write_h5ad(p))
-    if report_path is not None:
+    if report_path is not None and report_path.suffix.lower() in (".html", ".htm"):
+        from .tl import report as html_report
+
+        outputs.add(
+            report_path,
+            lambda p: html_report(adata, p, truth_key=truth_key, layer=layer),
+        )
+    elif report_path is not None:
         rep = {**report, "output": str(out_path), "summary": summary, "metrics": metrics,
                "version": __version__}  # fmt: skip
         outputs.add(report_path, write_json(rep))
@@ -159,7 +168,12 @@ _result_opts = [
         default=None,
         help="obs column of the query with true types: print the paper's metrics.",
     ),
-    click.option("--report", default=None, help="Write the summary (and metrics) as JSON here."),
+    click.option(
+        "--report",
+        default=None,
+        help="Write a report of the run here: a self-contained HTML page (run.html: summary, "
+        "plots, novel clusters, notes) or the summary and metrics as JSON (any other name).",
+    ),
     click.option(
         "--on-disk",
         is_flag=True,
@@ -184,7 +198,7 @@ def _add(options):
 
 @main.command()
 @click.argument("reference", metavar="REF.h5ad")
-@click.argument("query", metavar="QUERY.h5ad")
+@click.argument("query", metavar="QUERY.h5ad...", nargs=-1, required=True)
 @click.option(
     "--labels-key", required=True, help="obs column of the reference with the cell types."
 )
@@ -269,22 +283,33 @@ def _add(options):
     help="Folds of labelled cells that cross-fit the novelty p-values, one warm-up each "
     "(0: no p-values).",
 )
+@click.option(
+    "--majority-vote",
+    is_flag=True,
+    help="Refine the labels by majority voting over an over-clustering of the query "
+    "(CellTypist's rule); the per-cell labels are kept in obs 'orca_label_per_cell'.",
+)
 @_add(_result_opts)
 @_add(_output_opts)
 @click.pass_context
 def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer, batch_key,
              unlabeled_category, epochs, warmup_epochs, min_steps, batch_size, lr, device, seed, save_model, self_check,
-             novelty_alpha, novelty_folds, truth_key, report, on_disk, overwrite, quiet):  # fmt: skip
-    """Annotate QUERY.h5ad with the cell types of REF.h5ad, discovering novel types.
+             novelty_alpha, novelty_folds, majority_vote, truth_key, report, on_disk, overwrite,
+             quiet):  # fmt: skip
+    """Annotate QUERY.h5ad (one or several) with the cell types of REF.h5ad, discovering
+    novel types.
 
     Both files may hold raw counts or log-normalised values; genes are matched by name. The query
     is written with obs 'orca_label' (known type or novel_1, novel_2, ...), 'orca_novel',
     'orca_confidence', obsm 'X_orca' and uns 'orca'. A summary (cells per label, novel
-    clusters with their top markers and closest known types) is printed on stdout.
+    clusters with their top markers and closest known types) is printed on stdout. Several
+    queries train one model (a novel type found in several gets one name); each is written
+    beside itself as QUERY.orca.h5ad.
 
     \b
     Examples:
       orca-sc annotate kidney.h5ad marrow.h5ad --labels-key cell_type
+      orca-sc annotate atlas.h5ad sample1.h5ad sample2.h5ad --labels-key cell_type
       orca-sc annotate ref.h5ad query.h5ad --labels-key cell_type -o out.h5ad \\
           --n-novel 3 --save-model model.pt --truth-key true_type --report report.json
     """
@@ -321,43 +346,79 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
             self_check=self_check,
             novelty_alpha=novelty_alpha,
             novelty_folds=novelty_folds,
+            majority_vote=majority_vote,
         )
         _check_device(device)
-        outputs = Outputs(overwrite, [reference, query])
-        out_path = outputs.claim(
-            output if output is not None else _default_output(query), "Output file"
-        )
+        several = len(query) > 1
+        if several and (output is not None or report is not None):
+            raise CliError(
+                "-o/--output and --report take one query; with several queries each is written "
+                "beside its own file as QUERY.orca.h5ad (drop -o and --report)."
+            )
+        outputs = Outputs(overwrite, [reference, *query])
+        out_paths = [
+            outputs.claim(output if output is not None else _default_output(q), "Output file")
+            for q in query
+        ]
         model_path = outputs.claim(save_model, "Model file") if save_model is not None else None
         report_path = outputs.claim(report, "Report file") if report is not None else None
 
         ref = read_h5ad(reference, "Reference", on_disk)
-        adata = read_h5ad(query, "Query", on_disk)
-        _check_obs_key(adata, truth_key, "query", "--truth-key")
+        adatas = [read_h5ad(q, "Query", on_disk) for q in query]
+        for a in adatas:
+            _check_obs_key(a, truth_key, "query", "--truth-key")
         try:  # the model file is staged by rank 0 and committed with the other outputs
-            tl_annotate(adata, ref, labels_key=labels_key, config=cfg,
-                        save_model=outputs.staged(model_path) if rank0 else None)  # fmt: skip
+            with command_line(ctx.meta.get("orca_argv", sys.argv[1:])):  # the model's card
+                tl_annotate(adatas if several else adatas[0], ref, labels_key=labels_key,
+                            config=cfg, save_model=outputs.staged(model_path) if rank0 else None)  # fmt: skip
             if not rank0:
                 return
-            summary, metrics = _save_results(
-                adata, outputs, out_path, report_path,
-                {"command": "annotate", "reference": reference, "query": query,
-                 "n_novel": dict(adata.uns["orca"]["n_novel"])},
-                layer, truth_key,
-            )  # fmt: skip
+            if several:
+                results = _save_several(adatas, outputs, out_paths, layer, truth_key)
+            else:
+                results = [_save_results(
+                    adatas[0], outputs, out_paths[0], report_path,
+                    {"command": "annotate", "reference": reference, "query": query[0],
+                     "n_novel": dict(adatas[0].uns["orca"]["n_novel"])},
+                    layer, truth_key,
+                )]  # fmt: skip
         finally:
             outputs.discard()
 
-    _echo_summary(summary, metrics)
+    for q, (summary, metrics) in zip(query, results, strict=True):
+        if several:
+            click.echo(f"== {q}")
+        _echo_summary(summary, metrics)
     click.echo(
-        f"Wrote {out_path}"
+        f"Wrote {', '.join(map(str, out_paths))}"
         + (f", {model_path}" if model_path else "")
         + (f", {report_path}" if report_path else "")
     )
 
 
+def _save_several(adatas, outputs, out_paths, layer, truth_key) -> list[tuple]:
+    """Each annotated query to its own file, committed together; the summary (and metrics)
+    of each.
+    """
+    from .tl import summarize
+
+    results = []
+    for a, path in zip(adatas, out_paths, strict=True):
+        outputs.add(path, lambda p, a=a: a.write_h5ad(p))
+        results.append((summarize(a, layer=layer), _truth_metrics(a, truth_key)))
+    outputs.commit()
+    return results
+
+
 @main.command()
 @click.argument("model", metavar="MODEL")
-@click.argument("query", metavar="QUERY.h5ad")
+@click.argument("query", metavar="QUERY.h5ad", required=False)
+@click.option(
+    "--info",
+    is_flag=True,
+    help="Print the model's card (reference, per-type accuracy, novel clusters, versions) and "
+    "exit; QUERY is not needed.",
+)
 @click.option(
     "-o",
     "--output",
@@ -377,6 +438,7 @@ def predict(
     ctx,
     model,
     query,
+    info,
     output,
     layer,
     batch_key,
@@ -397,10 +459,17 @@ def predict(
     Examples:
       orca-sc predict model.pt new_cells.h5ad
       orca-sc predict model.pt new_cells.h5ad -o labelled.h5ad --batch-key sample
+      orca-sc predict model.pt --info
     """
     from ._model import OrcaModel
     from .tl import predict as tl_predict
 
+    if info:
+        with errors(ctx):
+            click.echo(OrcaModel.load(model).describe())
+        return
+    if query is None:
+        raise click.UsageError("Missing argument 'QUERY.h5ad' (or pass --info).")
     with errors(ctx), cli_logging(quiet):
         from ._dist import launched
 

@@ -245,8 +245,9 @@ def test_fuzz_cli(problem, tmp_path_factory):
 
 #: what users pass where an AnnData is expected
 NOT_ANNDATA = {
-    "list": lambda a: [a, a],
-    "tuple": lambda a: (a,),
+    # several queries are accepted as a list, but each must be an AnnData
+    "list": lambda a: [a.to_df(), a],
+    "tuple": lambda a: (a.to_df(),),
     "DataFrame": lambda a: a.to_df(),
     "ndarray": lambda a: np.asarray(a.X.todense()) if sp.issparse(a.X) else np.asarray(a.X),
     "csr_matrix": lambda a: sp.csr_matrix(a.X),
@@ -282,7 +283,11 @@ def test_fuzz_objects_that_are_not_anndata(problem, wrong, where, fuzz_model):
             orca_sc.tl.annotate(obj, ref, labels_key="ct", copy=True, **options, **TINY)
     msg = str(err.value)
     name = "reference" if where == "reference" else "adata"
-    assert msg.startswith(f"{name} must be an AnnData") and "\n" not in msg, msg
+    several = where == "adata" and wrong in ("list", "tuple")  # adata[0]: the item is wrong
+    assert msg.startswith(
+        f"{name}[0] must be an AnnData" if several else f"{name} must be an AnnData"
+    )
+    assert "\n" not in msg, msg
     assert _digest(other) == before
 
 

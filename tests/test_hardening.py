@@ -274,8 +274,11 @@ def test_caller_objects_untouched_by_a_run_except_the_documented_fields():
     ]  # fmt: skip
     query.obs = query.obs.drop(columns=new_obs)
     assert set(query.obsm.keys()) - snap_q["obsm"] == {"X_orca"}
-    assert set(query.uns.keys()) - snap_q["uns"] == {"orca"}
-    del query.obsm["X_orca"], query.uns["orca"]
+    ours = {"orca", "orca_label_colors", "orca_novel_colors"}
+    assert set(query.uns.keys()) - snap_q["uns"] == ours
+    del query.obsm["X_orca"]
+    for k in ours:
+        del query.uns[k]
     assert_unchanged(query, snap_q)
     # single-AnnData mode on a dense float64 matrix with a layer
     single = ad.concat([ref, query[:100]], join="inner")
@@ -286,7 +289,9 @@ def test_caller_objects_untouched_by_a_run_except_the_documented_fields():
     orca_sc.tl.annotate(single, labels_key="cell_type", layer="counts", **FAST)
     assert np.array_equal(single.layers["counts"], layer_before)
     single.obs = single.obs.drop(columns=[c for c in single.obs if c.startswith("orca_")])
-    del single.obsm["X_orca"], single.uns["orca"]
+    del single.obsm["X_orca"]
+    for k in ours:
+        del single.uns[k]
     assert_unchanged(single, snap)
 
 
@@ -320,10 +325,14 @@ def test_objects_that_are_not_anndata_name_the_fix():
     """
     ref, query = _split(n=100)
     cases = [
-        (lambda: orca_sc.tl.annotate([query, query], ref, labels_key="cell_type"),
+        (lambda: orca_sc.OrcaModel.fit([query, query], ref, labels_key="cell_type"),
          r"adata must be an AnnData, got a list of 2 objects; .*anndata.concat"),
+        (lambda: orca_sc.tl.annotate([query, query], ref, labels_key="cell_type"),
+         r"The same AnnData is given twice in adata; pass each query once"),
+        (lambda: orca_sc.tl.annotate([query, query.to_df()], ref, labels_key="cell_type"),
+         r"adata\[1\] must be an AnnData, got a pandas DataFrame"),
         (lambda: orca_sc.tl.annotate(query.to_df(), ref, labels_key="cell_type"),
-         r"adata must be an AnnData, got a pandas DataFrame; wrap it as anndata.AnnData\(df\)"),
+         r"adata must be an AnnData or a list of them, got a pandas DataFrame; wrap it as anndata.AnnData\(df\)"),
         (lambda: orca_sc.tl.annotate(query, ref.to_df(), labels_key="cell_type"),
          r"reference must be an AnnData, got a pandas DataFrame"),
         (lambda: orca_sc.OrcaModel.fit("query.h5ad", ref, labels_key="cell_type"),

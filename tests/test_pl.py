@@ -12,6 +12,7 @@ from conftest import FAST, SHARED_DATA  # noqa: E402
 
 import orca_sc  # noqa: E402
 from orca_sc import OrcaInputError  # noqa: E402
+from orca_sc._colors import NOVEL, label_colors  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,16 @@ def test_embedding_highlights_novel_clusters(annotated, tmp_path):
     assert ax.collections[-1].get_label().endswith("(novel)")
     assert ax.collections[-1].get_linewidths()[0] > 0
     plt.close("all")
-    orca_sc.pl.embedding(annotated, save=str(tmp_path / "e.png"))
-    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+    figdir, fmt = sc.settings.figdir, sc.settings.file_format_figs
+    try:  # saved as scanpy saves: under sc.settings.figdir, named after the plot
+        sc.settings.figdir, sc.settings.file_format_figs = tmp_path, "png"
+        orca_sc.pl.embedding(annotated, save="_e.png")
+        assert orca_sc.pl.confidence(annotated, save=True) is None  # saved, then shown
+    finally:
+        sc.settings.figdir, sc.settings.file_format_figs = figdir, fmt
+    assert (tmp_path / "embedding_e.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "confidence.png").read_bytes()[:4] == b"\x89PNG"
+    plt.close("all")
     with pytest.raises(KeyError, match="sc.tl.tsne"):
         orca_sc.pl.embedding(annotated, basis="tsne", show=False)
 
@@ -65,6 +74,54 @@ def test_confidence_and_marker_dotplot(annotated):
         orca_sc.tl.summarize(annotated, n_markers=3)["novel"][0]["markers"]
     )
     plt.close("all")
+
+
+def _hex(rgba):
+    from matplotlib.colors import to_hex
+
+    return to_hex(rgba)
+
+
+def test_one_colour_per_label_across_panels_and_runs(annotated):
+    """A label has one colour: in ``uns['orca_label_colors']``, on every ``pl`` panel, on
+    scanpy's panel of the truth (``match_colors``) and in another run on the same reference
+    whose query lacks some types; novel clusters are coloured from a palette of their own.
+    """
+    cats = list(annotated.obs["orca_label"].cat.categories)
+    colors = dict(zip(cats, annotated.uns["orca_label_colors"], strict=True))
+    novel = list(annotated.obs["orca_novel"].cat.categories)
+    assert novel and len(set(colors.values())) == len(cats)
+    assert annotated.uns["orca_novel_colors"] == [colors[n] for n in novel]
+    ax = orca_sc.pl.embedding(annotated, show=False)
+    for coll in ax.collections:
+        label = coll.get_label().removesuffix(" (novel)")
+        assert _hex(coll.get_facecolor()[0]) == colors[label]
+    plt.close("all")
+    ax = orca_sc.pl.confidence(annotated, show=False)
+    faces = [_hex(p.get_facecolor()) for p in ax.patches]
+    assert faces == [colors[c] for c in cats]
+    plt.close("all")
+    # the truth panel: known types as orca_label colours them, the hidden types in other tones
+    truth = orca_sc.pl.match_colors(annotated, "cell_type")
+    by_truth = dict(zip(annotated.obs["cell_type"].cat.categories, truth, strict=True))
+    for t in ("type_0", "type_1", "type_2"):
+        assert by_truth[t] == colors[t]
+    for t in ("type_3", "type_4"):
+        assert by_truth[t] not in colors.values()
+    # another query on the same reference, without type_1: the other types keep their colour
+    a = orca_sc.datasets.simulate(500, 300, 5, markers_per_type=30, marker_fold=5.0, seed=3)
+    ref = a[a.obs["cell_type"].isin(["type_0", "type_1", "type_2"])][:150].copy()
+    q1 = a[150:].copy()
+    q2 = q1[q1.obs["cell_type"] != "type_1"].copy()
+    for q in (q1, q2):
+        orca_sc.tl.annotate(q, ref, labels_key="cell_type", **FAST)
+    c1, c2 = (dict(zip(q.obs["orca_label"].cat.categories, q.uns["orca_label_colors"],
+                       strict=True)) for q in (q1, q2))  # fmt: skip
+    assert c1["type_0"] == c2["type_0"] and c1["type_2"] == c2["type_2"]
+    classes = ["type_0", "type_1", "type_2"]  # a type's colour does not depend on which are present
+    assert label_colors(["type_2", "novel_1"], classes, ["novel_1"]) == [c1["type_2"], NOVEL[0]]
+    known = {c1[t] for t in ("type_0", "type_1", "type_2")}
+    assert not known & {c for n, c in c1.items() if n.startswith("novel_")}
 
 
 def test_cross_tissue_task_builder():

@@ -100,6 +100,29 @@ def novelty_test_shares(adata, rows, task: Task) -> dict[str, float]:
     return out
 
 
+def confidence_figures(adata, rows, task: Task) -> dict[str, float]:
+    """How well ``obs['orca_confidence']`` says that a label is right, over the query cells
+    labelled a known type: the expected calibration error over those of known types
+    (``ece_known``) and over all of them (``ece_labelled_known``: novel-type cells absorbed by a
+    known type are wrong labels too), their mean confidence and accuracy.
+    """
+    from .._calibration import expected_calibration_error
+
+    label = adata.obs["orca_label"].astype(str).to_numpy()[rows]
+    conf = adata.obs["orca_confidence"].to_numpy()[rows]
+    truth = np.asarray(task.truth, dtype=str)
+    as_known = np.isin(label, task.seen)
+    of_known = np.isin(truth, task.seen)
+    right = label == truth
+    m = as_known & of_known
+    return {
+        "ece_known": expected_calibration_error(conf[m], right[m]),
+        "ece_labelled_known": expected_calibration_error(conf[as_known], right[as_known]),
+        "confidence_labelled_known": float(conf[as_known].mean()) if as_known.any() else np.nan,
+        "accuracy_labelled_known": float(right[as_known].mean()) if as_known.any() else np.nan,
+    }
+
+
 # ------------------------------------------------------------------------------------- baselines
 @dataclass
 class _Features:

@@ -1,9 +1,15 @@
-"""Plots of an open-world annotation (scanpy-style: ``ax``, ``show``, ``save``).
+"""Plots of an open-world annotation, in scanpy's manner: ``show=False`` returns the Axes (or
+the scanpy plot object), ``save=True`` or a suffix (``save="_run1.pdf"``) writes
+``{sc.settings.figdir}/{plot}{suffix}``, and every panel colours a label alike (from
+``uns['orca_label_colors']``, written by ``tl.annotate``).
 
 * :func:`embedding` — cells on an embedding, known types muted, novel clusters highlighted;
 * :func:`confidence` — distribution of ``orca_confidence`` per label;
 * :func:`correspondence` — truth (or reference label) vs ORCA label, as a row-normalised heatmap;
-* :func:`novel_markers` — dot plot of the top marker genes of each novel cluster.
+* :func:`reliability` — with a truth column: accuracy against confidence (is it calibrated?);
+* :func:`novel_markers` — dot plot of the top marker genes of each novel cluster;
+* :func:`match_colors` — colours of another label column (e.g. the truth) matched to
+  ``orca_label``'s, for scanpy's own plots.
 """
 
 from __future__ import annotations
@@ -13,7 +19,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["confidence", "correspondence", "embedding", "novel_markers"]
+__all__ = [
+    "confidence",
+    "correspondence",
+    "embedding",
+    "match_colors",
+    "novel_markers",
+    "reliability",
+]
 
 
 def _plt():
@@ -22,22 +35,34 @@ def _plt():
     return plt
 
 
-def _finish(obj, show: bool | None, save: str | None):
-    """Save and/or show a plot: ``obj`` is matplotlib ``Axes`` or a scanpy plot object (which
-    has its own ``savefig`` and ``show``). Returns ``obj`` unless it was shown.
+def _finish(obj, show: bool | None, save: bool | str | None, name: str):
+    """Save and/or show a plot as scanpy does: ``save=True`` writes
+    ``{sc.settings.figdir}/{name}.{sc.settings.file_format_figs}``, ``save="_x.png"``
+    ``{figdir}/{name}_x.png`` (the suffix's extension, if any, sets the format). ``obj`` is
+    matplotlib ``Axes`` or a scanpy plot object (which has its own ``savefig`` and ``show``).
+    Returns ``obj`` only with ``show=False`` (with ``show=None`` a saved plot is not shown).
     """
     if save:
+        from pathlib import Path
+
+        import scanpy as sc
+
+        suffix, ext = ("", sc.settings.file_format_figs) if save is True else (str(save), "")
+        for candidate in ("png", "pdf", "svg", "jpg", "jpeg", "tif", "tiff", "eps"):
+            if suffix.lower().endswith("." + candidate):
+                suffix, ext = suffix[: -len(candidate) - 1], candidate
+                break
+        ext = ext or sc.settings.file_format_figs
+        figdir = Path(sc.settings.figdir)
+        figdir.mkdir(parents=True, exist_ok=True)
         target = obj if hasattr(obj, "savefig") else obj.figure
-        target.savefig(save, dpi=150, bbox_inches="tight")
-    if show is None:
-        show = not save
-    if show:
+        target.savefig(figdir / f"{name}{suffix}.{ext}", dpi=150, bbox_inches="tight")
+    if show or (show is None and not save):
         if hasattr(obj, "show"):
             obj.show()
         else:
             _plt().show()
-        return None
-    return obj
+    return obj if show is False else None
 
 
 def _labels(adata: Any, key_added: str) -> tuple[pd.Series, list[str]]:
@@ -53,15 +78,81 @@ def _labels(adata: Any, key_added: str) -> tuple[pd.Series, list[str]]:
     return lab, [str(n) for n in novel]
 
 
-def _palette(labels: list[str], novel: list[str]) -> dict[str, Any]:
-    """Known types in muted pastel colours, novel clusters in saturated ones."""
-    plt = _plt()
+def _palette(adata: Any, key_added: str, labels: list[str], novel: list[str]) -> dict[str, Any]:
+    """Each label's colour: ``uns['{key_added}_label_colors']`` (written by ``tl.annotate``),
+    or, for results written without it, known types and novel clusters from their palettes.
+    """
+    from .._colors import label_colors
+
+    stored = adata.uns.get(f"{key_added}_label_colors")
+    if stored is not None and len(stored) == len(labels):
+        return dict(zip(labels, stored, strict=True))
     known = [label for label in labels if label not in novel]
-    muted = plt.get_cmap("tab20c")
-    bright = plt.get_cmap("tab10")
-    pal = {k: muted((i * 4 + 3) % 20 if i < 5 else (i * 4 + 2) % 20) for i, k in enumerate(known)}
-    pal.update({n: bright(i % 10) for i, n in enumerate(novel)})
-    return pal
+    return dict(zip(labels, label_colors(labels, known, novel), strict=True))
+
+
+def match_colors(adata: Any, key: str, *, key_added: str = "orca") -> list[str]:
+    """Colour the categories of ``obs[key]`` (e.g. the true or the reference's labels) as
+    ``orca_label`` colours them: a category named as a known type takes that type's colour, a
+    novel cluster's name its colour, any other category (e.g. a type the reference lacks) a dark
+    tone of its own. Writes ``uns[f"{key}_colors"]`` (what ``sc.pl.umap(color=key)`` uses) and
+    returns it, so that scanpy's panels of ``key`` and of ``orca_label`` agree; a column of
+    strings is made categorical first, as scanpy's plots do.
+    """
+    if key not in adata.obs.columns:
+        cols = ", ".join(map(repr, adata.obs.columns))
+        raise KeyError(f"{key!r} is not an obs column; columns: {cols}.")
+    if not isinstance(adata.obs[key].dtype, pd.CategoricalDtype):
+        adata.obs[key] = adata.obs[key].astype(str).astype("category")
+    categories, colors = _matched_colors(adata, key, key_added)
+    adata.uns[f"{key}_colors"] = colors
+    return colors
+
+
+def _matched_colors(adata: Any, key: str, key_added: str) -> tuple[list[str], list[str]]:
+    """The categories of ``obs[key]`` and their colours matched to ``orca_label``'s (see
+    :func:`match_colors`), without writing anything.
+    """
+    from .._colors import OTHER
+
+    lab, novel = _labels(adata, key_added)
+    col = adata.obs[key]
+    cats = col.cat.categories if isinstance(col.dtype, pd.CategoricalDtype) else pd.unique(
+        col.astype(str)
+    )  # fmt: skip
+    pal = _palette(adata, key_added, [str(c) for c in lab.cat.categories], novel)
+    colors, n_other = [], 0
+    for c in map(str, cats):
+        if c in pal:
+            colors.append(pal[c])
+        else:
+            colors.append(OTHER[n_other % len(OTHER)])
+            n_other += 1
+    return [str(c) for c in cats], colors
+
+
+def _scatter(ax, xy: np.ndarray, values: np.ndarray, order: list[str], pal: dict[str, Any],
+             novel: list[str], size: float) -> None:  # fmt: skip
+    """Cells at ``xy`` coloured by ``values``: known categories first, novel clusters on top
+    with an outline; a legend beside the axes.
+    """
+    for c in order:
+        if c in novel:
+            continue
+        m = values == c
+        ax.scatter(xy[m, 0], xy[m, 1], s=size, color=pal[c], label=c, linewidths=0)
+    for c in novel:
+        m = values == c
+        ax.scatter(xy[m, 0], xy[m, 1], s=size * 1.6, color=pal[c], label=f"{c} (novel)",
+                   edgecolors="0.15", linewidths=0.3)  # fmt: skip
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False,
+              markerscale=2.0)  # fmt: skip
+
+
+def _point_size(n: int) -> float:
+    return max(2.0, 120000 / max(n, 1) ** 1.1)
 
 
 def embedding(
@@ -72,7 +163,7 @@ def embedding(
     size: float | None = None,
     ax=None,
     show: bool | None = None,
-    save: str | None = None,
+    save: bool | str | None = None,
 ):
     """Cells on ``obsm['X_{basis}']`` coloured by ``orca_label``: known types muted, novel clusters
     in strong colours drawn on top with a dark outline, so discoveries stand out.
@@ -91,28 +182,15 @@ def embedding(
     xy = np.asarray(adata.obsm[key])[:, :2]
     lab, novel = _labels(adata, key_added)
     cats = [str(c) for c in lab.cat.categories]
-    pal = _palette(cats, novel)
+    pal = _palette(adata, key_added, cats, novel)
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 5))
-    s = size if size is not None else max(2.0, 120000 / max(adata.n_obs, 1) ** 1.1)
-    values = lab.astype(str).to_numpy()
-    for c in cats:  # known first, novel on top
-        if c in novel:
-            continue
-        m = values == c
-        ax.scatter(xy[m, 0], xy[m, 1], s=s, color=pal[c], label=c, linewidths=0)
-    for c in novel:
-        m = values == c
-        ax.scatter(xy[m, 0], xy[m, 1], s=s * 1.6, color=pal[c], label=f"{c} (novel)",
-                   edgecolors="0.15", linewidths=0.3)  # fmt: skip
-    ax.set_xticks([])
-    ax.set_yticks([])
+    s = size if size is not None else _point_size(adata.n_obs)
+    _scatter(ax, xy, lab.astype(str).to_numpy(), cats, pal, novel, s)
     ax.set_xlabel(f"{basis.upper()}1")
     ax.set_ylabel(f"{basis.upper()}2")
     ax.set_title(f"{key_added}_label")
-    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False,
-              markerscale=2.0)  # fmt: skip
-    return _finish(ax, show, save)
+    return _finish(ax, show, save, "embedding")
 
 
 def confidence(
@@ -121,7 +199,7 @@ def confidence(
     key_added: str = "orca",
     ax=None,
     show: bool | None = None,
-    save: str | None = None,
+    save: bool | str | None = None,
 ):
     """Box plot of ``orca_confidence`` (max softmax probability) per label; novel clusters
     highlighted. Low-confidence known-type labels are the ones to check by hand.
@@ -135,13 +213,13 @@ def confidence(
     if ax is None:
         _, ax = plt.subplots(figsize=(max(4, 0.45 * len(cats) + 1.5), 3.5))
     bp = ax.boxplot(data, patch_artist=True, showfliers=False, widths=0.6)
-    pal = _palette(cats, novel)
+    pal = _palette(adata, key_added, cats, novel)
     for patch, c in zip(bp["boxes"], cats, strict=True):
         patch.set_facecolor(pal[c])
     ax.set_xticks(np.arange(1, len(cats) + 1), cats, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel(f"{key_added}_confidence")
     ax.set_ylim(0, 1.02)
-    return _finish(ax, show, save)
+    return _finish(ax, show, save, "confidence")
 
 
 def correspondence(
@@ -152,7 +230,7 @@ def correspondence(
     normalize: bool = True,
     ax=None,
     show: bool | None = None,
-    save: str | None = None,
+    save: bool | str | None = None,
 ):
     """Heatmap of ``obs[truth_key]`` (rows) against ``orca_label`` (columns): where each true or
     reference type went. With ``normalize``, rows sum to 1 and the cell counts are annotated.
@@ -181,7 +259,58 @@ def correspondence(
     ax.set_xlabel(f"{key_added}_label")
     ax.set_ylabel(truth_key)
     ax.figure.colorbar(im, ax=ax, fraction=0.04, label="fraction of row" if normalize else "cells")
-    return _finish(ax, show, save)
+    return _finish(ax, show, save, "correspondence")
+
+
+def reliability(
+    adata: Any,
+    truth_key: str,
+    *,
+    key_added: str = "orca",
+    n_bins: int = 10,
+    ax=None,
+    show: bool | None = None,
+    save: bool | str | None = None,
+):
+    """Reliability diagram of ``orca_confidence`` over the cells labelled a known type, against
+    a column of true labels: per bin of confidence, the share of labels that are right, beside
+    the diagonal of perfect calibration; the expected calibration error (ECE) in the title.
+    ``uns['orca']['confidence']`` gives the same check on held-out labelled cells, without a
+    truth column.
+    """
+    from .._calibration import expected_calibration_error
+
+    plt = _plt()
+    lab, novel = _labels(adata, key_added)
+    if truth_key not in adata.obs.columns:
+        cols = ", ".join(map(repr, adata.obs.columns))
+        raise KeyError(f"truth_key {truth_key!r} is not an obs column; columns: {cols}.")
+    label = lab.astype(str).to_numpy()
+    known = ~np.isin(label, novel)
+    conf = adata.obs[f"{key_added}_confidence"].to_numpy(dtype=np.float64)[known]
+    right = (label == adata.obs[truth_key].astype(str).to_numpy())[known].astype(np.float64)
+    b = np.minimum((conf * n_bins).astype(np.int64), n_bins - 1)
+    n = np.bincount(b, minlength=n_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        acc = np.bincount(b, right, minlength=n_bins) / n
+        mean_conf = np.bincount(b, conf, minlength=n_bins) / n
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4.2, 4))
+    edges = np.linspace(0, 1, n_bins + 1)
+    has = n > 0
+    ax.bar(edges[:-1][has], acc[has], width=1 / n_bins, align="edge", color="#6baed6",
+           edgecolor="white", label="share right")  # fmt: skip
+    ax.plot([0, 1], [0, 1], color="0.3", linestyle="--", linewidth=1, label="calibrated")
+    ax.scatter(mean_conf[has], acc[has], s=12 + 80 * n[has] / max(n.max(), 1), color="#d62728",
+               zorder=3, label="bin (size: cells)")  # fmt: skip
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel(f"{key_added}_confidence")
+    ax.set_ylabel(f"share of labels right ({truth_key})")
+    ece = expected_calibration_error(conf, right, n_bins)
+    ax.set_title(f"ECE {ece:.3f} over {int(known.sum())} cells labelled a known type", fontsize=9)
+    ax.legend(loc="upper left", fontsize=7, frameon=False)
+    return _finish(ax, show, save, "reliability")
 
 
 def novel_markers(
@@ -191,7 +320,7 @@ def novel_markers(
     n_genes: int = 5,
     layer: str | None = None,
     show: bool | None = None,
-    save: str | None = None,
+    save: bool | str | None = None,
     **kwargs: Any,
 ):
     """Dot plot (``sc.pl.dotplot``) of the top ``n_genes`` markers of every novel cluster (the
@@ -209,4 +338,4 @@ def novel_markers(
     if not markers:
         raise ValueError("no novel cluster with markers to plot (no novel clusters found).")
     dp = sc.pl.dotplot(view, markers, groupby=key, show=False, return_fig=True, **kwargs)
-    return _finish(dp, show, save)
+    return _finish(dp, show, save, "novel_markers")

@@ -38,7 +38,9 @@ def annotate(
     Parameters
     ----------
     adata
-        Cells to annotate (counts or log-normalised values); only the fields below are written.
+        Cells to annotate (counts or log-normalised values), or a list of such queries: one
+        model is trained on all, each query is a batch of its own; only the fields below are
+        written.
     reference
         Labelled reference AnnData; genes are matched by name.
     labels_key
@@ -58,24 +60,28 @@ def annotate(
 
     Returns
     -------
-    The annotated copy if ``copy``, else ``None``. Writes ``obs['{key_added}_label']`` (a type or
-    ``novel_1``, ``novel_2``, ... by size), ``obs['{key_added}_novel']`` (NaN for known types),
-    ``obs['{key_added}_confidence']`` (max softmax), ``obs['{key_added}_novelty']`` (0-1),
+    The annotated copy (a list of them for several queries) if ``copy``, else ``None``. Writes
+    into each query ``obs['{key_added}_label']`` (a type or ``novel_1``, ``novel_2``, ... by
+    size), ``obs['{key_added}_novel']`` (NaN for known types), ``obs['{key_added}_confidence']``
+    (known types: the calibrated probability that the label is right; novel clusters: the
+    probability of the cluster's head), ``obs['{key_added}_novelty']`` (0-1),
     ``obs['{key_added}_novelty_pvalue']`` and ``_qvalue`` (the conformal novelty test; not with
-    ``novelty_folds=0``), ``obsm['X_{key_added}']`` (embedding), ``uns['{key_added}']``:
+    ``novelty_folds=0``), with ``majority_vote=True`` ``obs['{key_added}_label_per_cell']``,
+    ``obs['{key_added}_overcluster']`` and ``obs['{key_added}_vote_mixed']``,
+    ``obsm['X_{key_added}']`` (embedding), ``uns['{key_added}_label_colors']`` and
+    ``uns['{key_added}_novel_colors']`` (one colour per label, as scanpy keeps ``*_colors``: a
+    known type has the same colour in every run on the same reference), ``uns['{key_added}']``:
     ``params``, ``mode``, ``seen_classes``, ``novel_cluster_sizes``, ``novel_similarity``,
-    ``merged_into_known``, ``n_novel``, ``estimate``, ``self_check``, ``novelty_test``,
-    ``input_scale``, ``alignment``, ``data``,
-    ``history``, ``training``, ``seed``, ``version`` (see the README's Outputs).
+    ``merged_into_known``, ``same_novel_type``, ``n_novel``, ``estimate``, ``self_check``,
+    ``confidence``, ``novelty_test``, ``majority_vote``, ``queries``, ``input_scale``,
+    ``alignment``, ``data``, ``history``, ``training``, ``seed``, ``version`` (see the README's
+    Outputs).
 
     """
     from .._dist import main_process
     from .._model import train
 
-    check_anndata(adata, "adata")
-    if reference is not None:
-        check_anndata(reference, "reference")
-    check_copy(adata, copy)
+    queries = _check_inputs(adata, reference, copy)
     cfg = resolve_config(
         config,
         "annotate()",
@@ -87,19 +93,70 @@ def annotate(
         **kwargs,
     )
     model_path = check_output_path(save_model, "save_model")
-    adata = adata.copy() if copy else adata
-    model, result = train(adata, reference, labels_key, cfg)
-    write_fields(
-        adata, key_added, result.labels, result.confidence, result.novelty, result.embedding,
-        classes=model.classes, novel_names=result.novel_names,
-    )  # fmt: skip
-    if result.pvalue is not None:
-        adata.obs[f"{key_added}_novelty_pvalue"] = result.pvalue.astype(np.float32)
-        adata.obs[f"{key_added}_novelty_qvalue"] = result.qvalue.astype(np.float32)
-    adata.uns[key_added] = result.uns
+    targets = [q.copy() for q in queries] if copy else queries
+    several = isinstance(adata, (list, tuple))
+    model, result = train(targets if several else targets[0], reference, labels_key, cfg)
+    ends = np.cumsum([t.n_obs for t in targets])
+    names = ["query"] if not several else [f"query_{i + 1}" for i in range(len(targets))]
+    counts = {}
+    for t, name, stop in zip(targets, names, ends, strict=True):
+        _write(t, key_added, result, slice(stop - t.n_obs, stop), model.classes)
+        counts[name] = t.obs[f"{key_added}_label"].value_counts()
+    # labels x queries (a table, not a dict keyed by label: a label such as "CD4+/CD25-" would
+    # be taken as a path when the AnnData is written)
+    table = pd.DataFrame(counts).fillna(0).astype(np.int64)
+    table.index = table.index.astype(str)
+    for t, name in zip(targets, names, strict=True):
+        t.uns[key_added] = {**result.uns, "queries": {"this": name, "label_counts": table.copy()}}
     if model_path is not None and main_process():
         model.save(model_path)
-    return adata if copy else None
+    if not copy:
+        return None
+    return targets if several else targets[0]
+
+
+def _check_inputs(adata: Any, reference: Any, copy: bool) -> list[Any]:
+    """The query AnnData objects (one, or the list given), each checked, with the reference."""
+    from .._errors import OrcaInputError
+
+    if isinstance(adata, (list, tuple)):
+        if not adata:
+            raise OrcaInputError("adata is an empty list; pass an AnnData or a list of them.")
+        if reference is None:
+            msg = (
+                "Several queries need a labelled reference: annotate([query1, query2], "
+                "reference, labels_key=...)."
+            )
+            raise OrcaInputError(msg)
+        for i, q in enumerate(adata):
+            check_anndata(q, f"adata[{i}]")
+        if len({id(q) for q in adata}) < len(adata):
+            raise OrcaInputError("The same AnnData is given twice in adata; pass each query once.")
+        queries = list(adata)
+    else:
+        check_anndata(adata, "adata", several=True)
+        queries = [adata]
+    if reference is not None:
+        check_anndata(reference, "reference")
+    for q in queries:
+        check_copy(q, copy)
+    return queries
+
+
+def _write(adata: Any, key_added: str, result: Any, rows: slice, classes: list[str]) -> None:
+    """The per-cell fields of ``result`` (an :class:`orca_sc._annotation.Annotation`) for its
+    rows ``rows``, into ``adata``.
+    """
+    write_fields(
+        adata, key_added, result.labels[rows], result.confidence[rows], result.novelty[rows],
+        result.embedding[rows], classes=classes, novel_names=result.novel_names,
+    )  # fmt: skip
+    if result.per_cell_labels is not None:  # majority voting: the per-cell labels beside
+        write_vote(adata, key_added, result.per_cell_labels[rows], result.vote_cluster[rows],
+                   result.vote_mixed[rows], adata.obs[f"{key_added}_label"].cat.categories)  # fmt: skip
+    if result.pvalue is not None:
+        adata.obs[f"{key_added}_novelty_pvalue"] = result.pvalue[rows].astype(np.float32)
+        adata.obs[f"{key_added}_novelty_qvalue"] = result.qvalue[rows].astype(np.float32)
 
 
 def write_fields(
@@ -113,17 +170,44 @@ def write_fields(
     classes: list[str],
     novel_names: list[str],
 ) -> None:
-    """Write ``obs['{key}_label' | '{key}_novel' | '{key}_confidence' | '{key}_novelty']`` and
-    ``obsm['X_{key}']``.
+    """Write ``obs['{key}_label' | '{key}_novel' | '{key}_confidence' | '{key}_novelty']``,
+    ``obsm['X_{key}']`` and the colours of the labels, ``uns['{key}_label_colors']`` and
+    ``uns['{key}_novel_colors']`` (:mod:`orca_sc._colors`).
     """
+    from .._colors import label_colors
+
     present = set(labels)
     categories = [c for c in classes if c in present] + [n for n in novel_names if n in present]
     adata.obs[f"{key_added}_label"] = pd.Categorical(labels, categories=categories)
     is_novel = np.isin(labels, novel_names)
+    found = [n for n in novel_names if n in present]
     adata.obs[f"{key_added}_novel"] = pd.Categorical(
-        np.where(is_novel, labels, None),
-        categories=[n for n in novel_names if n in present],
+        np.where(is_novel, labels, None), categories=found
     )
+    adata.uns[f"{key_added}_label_colors"] = label_colors(categories, classes, novel_names)
+    adata.uns[f"{key_added}_novel_colors"] = label_colors(found, classes, novel_names)
     adata.obs[f"{key_added}_confidence"] = np.asarray(confidence, dtype=np.float32)
     adata.obs[f"{key_added}_novelty"] = np.asarray(novelty, dtype=np.float32)
     adata.obsm[f"X_{key_added}"] = np.asarray(embedding, dtype=np.float32)
+
+
+def write_vote(
+    adata: Any,
+    key_added: str,
+    per_cell: np.ndarray,
+    cluster: np.ndarray,
+    mixed: np.ndarray,
+    categories: Any,
+) -> None:
+    """With majority voting: ``obs['{key}_label_per_cell']`` (the label before the vote),
+    ``obs['{key}_overcluster']`` (the cluster voted over; NaN for labelled cells) and
+    ``obs['{key}_vote_mixed']`` (the cell's cluster had no label of at least half its cells, so
+    the cell kept its own label).
+    """
+    present = set(per_cell)
+    cats = [c for c in categories if c in present] + sorted(present - set(categories))
+    adata.obs[f"{key_added}_label_per_cell"] = pd.Categorical(per_cell, categories=cats)
+    order = [str(c) for c in np.unique(cluster[cluster >= 0])]
+    names = np.where(cluster >= 0, cluster.astype(str), None)
+    adata.obs[f"{key_added}_overcluster"] = pd.Categorical(names, categories=order)
+    adata.obs[f"{key_added}_vote_mixed"] = np.asarray(mixed, dtype=bool)

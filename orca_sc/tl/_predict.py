@@ -64,7 +64,7 @@ def predict(
         adata,
         key_added,
         labels,
-        pred.confidence,
+        model.confidence(pred),
         model.novelty(pred.embedding),
         pred.embedding,
         classes=model.classes,
