@@ -15,8 +15,10 @@ NAMES = ["scanpy_workflow", "tabula_muris_cross_tissue"]
 
 
 def _run(name):
-    env = {**os.environ, "MPLBACKEND": "Agg", "ORCA_SC_SHARED_DATA": str(SHARED_DATA)}
-    env.pop("ORCA_SC_FULL_DATA", None)  # never download at test time
+    # the Tabula Muris tutorial on a local file (its documented option), never a download
+    env = {**os.environ, "MPLBACKEND": "Agg",
+           "ORCA_SC_TUTORIAL_DATA": str(SHARED_DATA / "tm_facs_scfind.h5ad")}  # fmt: skip
+    env.pop("ORCA_SC_QUERY_TISSUE", None)
     return subprocess.run(
         [sys.executable, f"{name}.py"], cwd=TUTORIALS, env=env, capture_output=True, text=True,
         timeout=900,
@@ -40,7 +42,7 @@ def test_scanpy_workflow_tutorial_runs():
 def test_tabula_muris_tutorial_runs_offline():
     r = _run("tabula_muris_cross_tissue")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "OFFLINE FALLBACK" in r.stdout
+    assert "Data: a local file (ORCA_SC_TUTORIAL_DATA=tm_facs_scfind.h5ad)" in r.stdout
     assert (
         "novel types in the query: ['immature B cell', 'late pro-B cell', 'naive B cell', 'precursor B cell']"
         in r.stdout
