@@ -1,0 +1,159 @@
+"""The ``discover`` stage: candidate novel clusters, the number of novel types, and which novel
+clusters are known types after all. Every rule that decides these lives in this package, one
+module per test, and every knob is a field of :class:`orca_sc.DiscoveryConfig`. Arrays in, a
+frozen :class:`Discovery` out: no AnnData, no torch.
+
+After the supervised warm-up, :func:`discover` takes each cell's embedding and cosine to the seen
+heads and finds the candidates:
+
+* :mod:`.ood`: unlabelled cells whose best cosine to a seen head is below the ``ood_quantile``
+  of the labelled cells' (:func:`ood_clusters`), clustered with Leiden at the resolution that
+  matches the granularity of the labelled types (:mod:`.graph`); in batches without labelled
+  cells (a separate query), clusters of the whole batch voted by their share of such cells
+  (:func:`query_ood_clusters`);
+* :mod:`.labels`: in batches labelled at random, cells with improbably few labelled neighbours
+  join the candidates (:func:`label_deserts`) and cells among labelled ones leave them
+  (:func:`labelled_support`).
+
+Candidates of at least :func:`min_cluster_size` cells start the novel heads (:mod:`.heads`);
+their number is the estimate of ``n_novel``. After training, :mod:`.naming` reports novel clusters
+that are a known type of another batch as that type and gives one name to a novel type found in
+several queries. Without a warm-up, :mod:`.no_warmup` counts Leiden clusters of all cells that
+lack labels. :mod:`.self_check` hides known types to see how the rules do.
+
+Leiden runs directly on igraph (exact kNN graph from scikit-learn), on at most
+``DiscoveryConfig.max_cells`` cells.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .._config import DiscoveryConfig
+from ._stage import Discovery, _diagnostics, _notes, _once_per_cell_set
+from .graph import (
+    calibrate_resolution,
+    knn_graph,
+    leiden,
+    min_cluster_size,
+    pca_embedding,
+    resolve_resolution,
+    subsample_rows,
+)
+from .heads import _novel_heads, cluster_cores
+from .labels import (
+    _label_evidence,
+    label_deserts,
+    labelled_neighbours,
+    labelled_support,
+    segregated_batches,
+)
+from .naming import match_known_types, match_novel_across_batches, name_heads
+from .no_warmup import discover_without_warmup, estimate_n_novel, novel_clusters
+from .ood import (
+    _query_candidates,
+    _rank_by_size,
+    calibration_split,
+    ood_clusters,
+    ood_threshold,
+    probe_threshold,
+    query_ood_clusters,
+)
+from .self_check import SelfCheckSplit, self_check_report, self_check_split, youden_threshold
+
+_DEFAULTS = DiscoveryConfig()
+
+
+def discover(
+    embedding: np.ndarray,
+    seen_similarity: np.ndarray,
+    labels: np.ndarray,
+    domain: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    calibration: np.ndarray | None = None,
+    ood_cap: float | None = None,
+    n_novel: int | str = "auto",
+    cfg: DiscoveryConfig = _DEFAULTS,
+    seed: int = 0,
+    domain_names: list[str] | None = None,
+) -> Discovery:
+    """Candidate novel clusters after the warm-up, and the novel heads they start: clusters of
+    unlabelled cells the seen heads do not explain (:func:`ood_clusters`; in batches without
+    labelled cells :func:`query_ood_clusters`); with ``n_novel="auto"`` one head per candidate.
+
+    ``embedding`` ``(n, D)``: the warmed-up embedding; ``seen_similarity`` ``(n, n_seen)``: the
+    cosine to each seen head; ``labels`` (``-1`` unlabelled); ``domain``: batch codes;
+    ``pca_of(idx)``: the PCA of the aligned expression of the cells ``idx``; ``calibration``:
+    labelled cells the warm-up did not train on (:func:`calibration_split`) and ``ood_cap``: a
+    probe's threshold (:func:`probe_threshold`), which cap the threshold (:func:`ood_threshold`).
+    """
+    pca_cells = _once_per_cell_set(pca_of)
+    lab, maxcos = labels >= 0, seen_similarity.max(axis=1)
+    ev = _label_evidence(lab, domain, pca_cells, cfg, domain_names)
+    # batches without any labelled cell (a separate query): candidates are voted per cluster
+    query = ~np.isin(domain, np.unique(domain[lab]))
+    min_size = min_cluster_size(int((~lab).sum()), cfg)
+    # candidates are cut at the granularity of the labelled types (only where labelled and
+    # unlabelled cells share a batch: query batches are voted at cfg.query_resolution)
+    resolution, scores = resolve_resolution(
+        labels, pca_cells, seed=seed, calibrate=bool((~lab & ~query).any()), cfg=cfg
+    )
+    calib = np.zeros_like(lab) if calibration is None else calibration & lab
+    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
+    if ood_cap is not None:
+        tau, tau_info = min(tau, ood_cap), {**tau_info, "threshold_probe": ood_cap}
+    assign, sizes, tau = ood_clusters(
+        maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
+        resolution=resolution, min_size=min_size, seed=seed, exclude=ev.supported | query,
+        include=ev.desert, n_neighbors=cfg.n_neighbors,
+    )  # fmt: skip
+    groups = _query_candidates(maxcos < tau, query, domain, pca_cells, min_size, cfg, seed)
+    assign, sizes = _rank_by_size(assign, sizes, groups)
+    k = len(sizes) if n_novel == "auto" else int(n_novel)
+    heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
+                         min_size, cfg, seed)  # fmt: skip
+    n_seen = seen_similarity.shape[1]
+    return Discovery(
+        assign=assign, sizes=tuple(sizes), n_novel=len(sizes), prototypes=heads.prototypes,
+        prior=heads.prior, anchor_cells=np.flatnonzero(heads.core),
+        anchor_heads=n_seen + assign[heads.core], threshold=tau,
+        diagnostics=_diagnostics(sizes, ev, domain_names, (resolution, scores), heads, groups,
+                                 min_size, bool(query.any()), tau_info, calib, cfg),
+        notes=tuple(_notes(labels, n_seen, int(calib.sum()), ood_cap, cfg)),
+    )  # fmt: skip
+
+
+__all__ = [
+    "Discovery",
+    "SelfCheckSplit",
+    "calibrate_resolution",
+    "calibration_split",
+    "cluster_cores",
+    "discover",
+    "discover_without_warmup",
+    "estimate_n_novel",
+    "knn_graph",
+    "label_deserts",
+    "labelled_neighbours",
+    "labelled_support",
+    "leiden",
+    "match_known_types",
+    "match_novel_across_batches",
+    "min_cluster_size",
+    "name_heads",
+    "novel_clusters",
+    "ood_clusters",
+    "ood_threshold",
+    "pca_embedding",
+    "probe_threshold",
+    "query_ood_clusters",
+    "resolve_resolution",
+    "segregated_batches",
+    "self_check_report",
+    "self_check_split",
+    "subsample_rows",
+    "youden_threshold",
+]

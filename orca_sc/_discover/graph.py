@@ -1,0 +1,188 @@
+"""The clustering every test of discovery shares: the PCA of the aligned expression, the kNN
+graph, seeded Leiden, and the resolution that matches the granularity of the labelled types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import scipy.sparse as sp
+
+from .._align import aligned_rows
+from .._config import DiscoveryConfig
+
+_DEFAULTS = DiscoveryConfig()
+_CHUNK = 8192
+
+
+def subsample_rows(n: int, seed: int, max_cells: int = _DEFAULTS.max_cells) -> np.ndarray:
+    """All row indices, or a sorted random subset of ``max_cells`` of them for large data."""
+    rng = np.random.default_rng(seed)
+    return np.arange(n) if n <= max_cells else np.sort(rng.choice(n, max_cells, replace=False))
+
+
+def pca_embedding(
+    X: sp.csr_matrix,
+    domain: np.ndarray,
+    scale: np.ndarray,
+    offset: np.ndarray,
+    n_comps: int = 30,
+    seed: int = 0,
+    rows: np.ndarray | None = None,
+) -> np.ndarray:
+    """PCA of the aligned data: fitted on one chunk (at most 8,192 random cells), applied chunk by
+    chunk, so the full matrix is never densified.
+    """
+    from sklearn.decomposition import PCA
+
+    rows = np.arange(X.shape[0]) if rows is None else rows
+    rng = np.random.default_rng(seed)
+    fit_rows = rows if rows.size <= _CHUNK else rng.choice(rows, _CHUNK, replace=False)
+    n_comps = int(min(n_comps, fit_rows.size - 1, X.shape[1] - 1))
+    pca = PCA(n_components=n_comps, random_state=seed)
+    pca.fit(aligned_rows(X, domain, scale, offset, fit_rows))
+    out = np.empty((rows.size, n_comps), dtype=np.float32)
+    for start in range(0, rows.size, _CHUNK):
+        r = rows[start : start + _CHUNK]
+        out[start : start + r.size] = pca.transform(aligned_rows(X, domain, scale, offset, r))
+    return out
+
+
+def knn_graph(emb: np.ndarray, n_neighbors: int = _DEFAULTS.n_neighbors) -> sp.csr_matrix:
+    """Symmetric, unweighted kNN graph (exact neighbours, Euclidean) as a CSR adjacency matrix.
+
+    Built with scikit-learn rather than ``sc.pp.neighbors``, whose approximate path (used from
+    4,096 cells on) breaks with recent scipy and spends ~25 s compiling numba code.
+    """
+    from sklearn.neighbors import NearestNeighbors
+
+    n = emb.shape[0]
+    k = min(n_neighbors, n - 1)
+    # kneighbors() without X excludes each point itself
+    idx = NearestNeighbors(n_neighbors=k).fit(emb).kneighbors(return_distance=False)
+    rows = np.repeat(np.arange(n), k)
+    A = sp.csr_matrix((np.ones(rows.size, dtype=np.float32), (rows, idx.ravel())), shape=(n, n))
+    A = A.maximum(A.T).tocsr()
+    return A
+
+
+class _IgraphRandom:
+    """A seeded random source for igraph's Leiden (``igraph.set_random_number_generator``), so
+    that clustering is reproducible without touching Python's global ``random`` state. Draws as
+    scanpy's ``flavor="igraph"`` does (a ``RandomState`` seeded with the seed).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.RandomState(seed)
+
+    def getrandbits(self, k: int) -> int:
+        return self._rng.tomaxint() & ((1 << k) - 1)
+
+    def randint(self, a: int, b: int) -> int:
+        return self._rng.randint(a, b + 1)
+
+    def gauss(self, mu: float, sigma: float) -> float:
+        return self._rng.normal(mu, sigma)
+
+    def random(self) -> float:
+        return self._rng.random_sample()
+
+
+def leiden(
+    emb: np.ndarray,
+    resolution: float = 1.0,
+    seed: int = 0,
+    adjacency: sp.csr_matrix | None = None,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+) -> np.ndarray:
+    """Leiden cluster codes of the rows of ``emb`` (``n_neighbors``-NN graph, modularity, 2
+    iterations, seeded).
+
+    Runs igraph's ``community_leiden`` on the graph directly (no AnnData). ``adjacency``: the
+    graph of :func:`knn_graph` when already built (to cluster one set of cells at several
+    resolutions).
+    """
+    import random
+
+    import igraph as ig
+
+    if emb.shape[0] < 3:
+        return np.zeros(emb.shape[0], dtype=np.int64)
+    A = knn_graph(emb, n_neighbors) if adjacency is None else adjacency
+    src, dst = A.nonzero()
+    g = ig.Graph(n=A.shape[0], edges=list(zip(src.tolist(), dst.tolist(), strict=True)))
+    g.es["weight"] = np.asarray(A[src, dst]).ravel()
+    ig.set_random_number_generator(_IgraphRandom(seed))
+    try:
+        part = g.community_leiden(
+            objective_function="modularity",
+            weights="weight",
+            resolution=resolution,
+            n_iterations=2,
+        )
+    finally:
+        ig.set_random_number_generator(random)
+    return np.asarray(part.membership, dtype=np.int64)
+
+
+def calibrate_resolution(
+    labels: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    seed: int = 0,
+    cfg: DiscoveryConfig = _DEFAULTS,
+) -> tuple[float, list[float]]:
+    """The Leiden resolution at which clusters match the granularity of the given annotation.
+
+    What counts as one cell type is the annotator's choice: one atlas splits neurons into many
+    types, another keeps broad classes made of distinct sub-populations. The labelled cells show
+    which: they (at most ``cfg.calibration_cells``, at random) are clustered at each resolution
+    of ``cfg.resolution_grid``
+    (Leiden on the PCA of their own expression, ``pca_of(idx)``, one kNN graph) and the
+    resolution whose clusters agree best with their labels (adjusted Rand index; ties go to the
+    coarser) is returned, with the scores. Candidate novel clusters are then cut at the same
+    granularity as the known types. ``labels``: class codes, ``-1`` for unlabelled cells.
+    With fewer than two labelled classes, returns ``cfg.fallback_resolution`` and no scores.
+    """
+    from sklearn.metrics import adjusted_rand_score
+
+    idx = np.flatnonzero(labels >= 0)
+    grid = cfg.resolution_grid
+    if np.unique(labels[idx]).size < 2 or idx.size < 3:
+        return float(cfg.fallback_resolution), []
+    if idx.size > cfg.calibration_cells:
+        rng = np.random.default_rng(seed)
+        idx = np.sort(rng.choice(idx, cfg.calibration_cells, replace=False))
+    emb = pca_of(idx)
+    graph = knn_graph(emb, cfg.n_neighbors)
+    scores = [
+        float(adjusted_rand_score(labels[idx], leiden(emb, r, seed, adjacency=graph))) for r in grid
+    ]
+    return float(grid[int(np.argmax(scores))]), scores
+
+
+def resolve_resolution(
+    labels: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    seed: int = 0,
+    calibrate: bool = True,
+    cfg: DiscoveryConfig = _DEFAULTS,
+) -> tuple[float, list[float]]:
+    """The Leiden resolution to use for ``cfg.resolution``, with its calibration scores: a number
+    is used as given; ``"auto"`` is :func:`calibrate_resolution` on ``labels``, or
+    ``cfg.fallback_resolution`` when ``calibrate`` is False (nothing to calibrate against).
+    """
+    if cfg.resolution != "auto":
+        return float(cfg.resolution), []
+    if not calibrate:
+        return float(cfg.fallback_resolution), []
+    return calibrate_resolution(labels, pca_of, seed=seed, cfg=cfg)
+
+
+def min_cluster_size(n_unlabeled: int, cfg: DiscoveryConfig = _DEFAULTS) -> int:
+    """Smallest candidate novel cluster: ``cfg.min_cluster_cells`` cells or
+    ``cfg.min_cluster_fraction`` of the unlabelled cells.
+    """
+    return max(cfg.min_cluster_cells, int(np.ceil(cfg.min_cluster_fraction * n_unlabeled)))

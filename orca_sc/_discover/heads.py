@@ -1,0 +1,86 @@
+"""From candidates to novel heads: prototypes, the regulariser's prior, and the core cells anchored
+to their candidate's head (:func:`cluster_cores`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._config import DiscoveryConfig
+
+_DEFAULTS = DiscoveryConfig()
+
+
+def cluster_cores(
+    assign: np.ndarray,
+    feats: np.ndarray,
+    *,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+    min_agree: float = _DEFAULTS.core_min_agree,
+    min_core: float = _DEFAULTS.core_min_fraction,
+) -> np.ndarray:
+    """Cells at the core of a coherent candidate cluster.
+
+    A cell is at the core of its cluster (``assign >= 0``; ``-1``: no cluster) when at least
+    ``min_agree`` of its ``n_neighbors`` nearest neighbours (itself excluded) among all cells
+    (``feats``, e.g. PCA coordinates) are in the same cluster. A cluster that is a whole novel
+    type is nearly all core; a cluster that swept up poorly scored cells of several known types
+    (their neighbours are mostly cells of their own, non-candidate type) is not coherent: when
+    less than ``min_core`` of its cells are core, none of them is kept. Returns a boolean mask.
+    """
+    from sklearn.neighbors import NearestNeighbors
+
+    core = np.zeros(assign.shape[0], dtype=bool)
+    cand = np.flatnonzero(assign >= 0)
+    if cand.size == 0 or assign.shape[0] <= n_neighbors:
+        return core
+    nn = NearestNeighbors(n_neighbors=n_neighbors + 1).fit(feats)
+    idx = nn.kneighbors(feats[cand], return_distance=False)[:, 1:]  # drop the cell itself
+    agree = (assign[idx] == assign[cand, None]).mean(axis=1)
+    core[cand] = agree >= min_agree
+    n = np.bincount(assign[cand])
+    frac = np.bincount(assign[cand], weights=core[cand]) / np.maximum(n, 1)
+    return core & (assign >= 0) & (frac[np.maximum(assign, 0)] >= min_core)
+
+
+@dataclass(frozen=True)
+class _Heads:
+    prototypes: np.ndarray  # (k, D) initial weights of the novel heads
+    prior: np.ndarray  # (n_seen + k,) the regulariser's target
+    core: np.ndarray  # (n,) bool: cells anchored to their candidate's head
+
+
+def _novel_heads(embedding, seen_similarity, labels, assign, counts_k, pca_cells, min_size,
+                 cfg: DiscoveryConfig, seed: int) -> _Heads:  # fmt: skip
+    """Prototypes (candidate means; random beyond the candidates), the regulariser's prior and
+    the anchored core cells of the novel heads; ``counts_k``: (heads, candidates).
+    """
+    k, n_candidates = counts_k
+    n_seen = seen_similarity.shape[1]
+    lab = labels >= 0
+    protos = np.random.default_rng(seed).normal(size=(k, embedding.shape[1]))
+    for j in range(min(k, n_candidates)):
+        protos[j] = embedding[assign == j].mean(axis=0)
+    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+    # prior of the regulariser = estimated composition of all cells over the heads: labelled cells
+    # by their label, candidate cells by their cluster, other unlabelled cells by their best seen
+    # head after the warm-up (so a known type that is rare in the reference but common in the
+    # query keeps its share)
+    head = np.where(lab, labels, seen_similarity.argmax(axis=1))
+    in_cand = (assign >= 0) & (assign < k)
+    head = np.where(in_cand, n_seen + assign, head)
+    counts = np.bincount(head, minlength=n_seen + k).astype(np.float64)
+    core = cluster_cores(
+        np.where(in_cand, assign, -1), pca_cells(np.arange(labels.size)),
+        n_neighbors=cfg.n_neighbors, min_agree=cfg.core_min_agree,
+        min_core=cfg.core_min_fraction,
+    )  # fmt: skip
+    # novel heads without a candidate cluster (n_novel given above the estimate): no evidence of
+    # any mass, so their prior is the detection limit (smallest candidate size), not an average
+    # cluster; otherwise the regulariser fills them with cells of known types
+    empty = counts[n_seen:] == 0
+    if empty.any():
+        counts[n_seen:][empty] = min_size
+    return _Heads(protos, counts / counts.sum(), core)

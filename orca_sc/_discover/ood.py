@@ -1,0 +1,193 @@
+"""Candidates from the seen heads: unlabelled cells whose best cosine to a seen head is below the
+threshold of the labelled cells' (:func:`ood_threshold`, calibrated on held-out labelled cells
+where there are enough), clustered (:func:`ood_clusters`); in batches without labels, clusters of
+the batch voted by their share of such cells (:func:`query_ood_clusters`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .._config import DiscoveryConfig
+from .graph import leiden
+
+_DEFAULTS = DiscoveryConfig()
+
+
+def calibration_split(
+    labels: np.ndarray,
+    fraction: float = _DEFAULTS.calibration_fraction,
+    max_cells: int = _DEFAULTS.calibration_max_cells,
+    seed: int = 0,
+) -> np.ndarray:
+    """Labelled cells held out of the warm-up to calibrate the out-of-distribution threshold
+    (split conformal): ``fraction`` of each class's labelled cells, rounded, at most
+    ``max_cells`` in all, and never a class's last training cell. Returns a boolean mask.
+    """
+    n_lab = int((labels >= 0).sum())
+    frac = min(fraction, max_cells / max(n_lab, 1))
+    if frac <= 0:
+        return np.zeros(labels.shape[0], dtype=bool)
+    return _hold_out_per_class(labels, frac, np.random.default_rng(seed))
+
+
+def _hold_out_per_class(labels: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndarray:
+    """``frac`` of each class's labelled cells (rounded), drawn with ``rng``, never a class's last
+    cell (``labels < 0``: no class). Returns a boolean mask.
+    """
+    held = np.zeros(labels.shape[0], dtype=bool)
+    for k in np.unique(labels[labels >= 0]):  # loop over classes, not cells
+        idx = np.flatnonzero(labels == k)
+        n = min(int(round(frac * idx.size)), idx.size - 1)
+        if n > 0:
+            held[rng.choice(idx, n, replace=False)] = True
+    return held
+
+
+def ood_threshold(
+    maxcos: np.ndarray, train: np.ndarray, calibration: np.ndarray, cfg: DiscoveryConfig
+) -> tuple[float, dict[str, float]]:
+    """The out-of-distribution threshold on the best cosine to a seen head: the
+    ``cfg.ood_quantile`` of the labelled cells the warm-up trained on (``train``), capped at the
+    ``cfg.ood_max_rate`` quantile of labelled cells held out of it (``calibration``), so that a
+    known-type cell the net has not seen is called out-of-distribution at most that often.
+    Returns the threshold and both candidates.
+    """
+    tau_train = float(np.quantile(maxcos[train], cfg.ood_quantile))
+    if not calibration.any():
+        return tau_train, {"threshold_in_sample": tau_train}
+    tau_cal = float(np.quantile(maxcos[calibration], cfg.ood_max_rate))
+    return min(tau_train, tau_cal), {
+        "threshold_in_sample": tau_train,
+        "threshold_held_out": tau_cal,
+    }
+
+
+def probe_threshold(
+    maxcos: np.ndarray, train: np.ndarray, held: np.ndarray, cfg: DiscoveryConfig
+) -> float:
+    """Cross-fitted calibration (``cfg.calibration_probe``): the calibrated threshold
+    (:func:`ood_threshold`) of a probe warm-up that did not see the ``held`` labelled cells,
+    which caps the threshold of the main warm-up (trained on every label; the two are trained
+    alike, so their cosines are on one scale). Carrying over a quantile level instead does not
+    work: on few labels the held-out cells' ``ood_max_rate`` quantile lies below every training
+    cell's cosine (level 0 on the development suite's 200-cell references), so no in-sample
+    quantile can express it.
+    """
+    tau, _ = ood_threshold(maxcos, train, held, cfg)
+    return tau
+
+
+def ood_clusters(
+    maxcos: np.ndarray,
+    labeled: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    quantile: float = _DEFAULTS.ood_quantile,
+    resolution: float = 1.0,
+    min_size: int = _DEFAULTS.min_cluster_cells,
+    seed: int = 0,
+    exclude: np.ndarray | None = None,
+    include: np.ndarray | None = None,
+    threshold: float | None = None,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+) -> tuple[np.ndarray, list[int], float]:
+    """Candidate novel clusters from the cells the seen heads do not explain.
+
+    An unlabelled cell is out-of-distribution when its highest cosine similarity to a seen-class
+    head is below ``threshold`` (default: the ``quantile`` of that similarity over labelled
+    cells; see :func:`ood_threshold`); cells in ``include``
+    (e.g. :func:`label_deserts`) are treated as OOD however well they are scored. The OOD cells
+    are clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``); clusters of at
+    least ``min_size`` cells are the candidates; cells in ``exclude`` (e.g.
+    :func:`labelled_support`) never are. Returns ``(assign, sizes, threshold)`` with
+    ``assign[i]`` the candidate index of cell ``i`` (``-1`` outside candidates), largest first.
+    """
+    tau = float(np.quantile(maxcos[labeled], quantile)) if threshold is None else threshold
+    ood = ~labeled & (maxcos < tau)
+    if include is not None:
+        ood |= include & ~labeled
+    if exclude is not None:
+        ood &= ~exclude
+    ood = np.flatnonzero(ood)
+    assign = np.full(maxcos.shape[0], -1, dtype=np.int64)
+    if ood.size < min_size:
+        return assign, [], tau
+    codes = leiden(pca_of(ood), resolution, seed, n_neighbors=n_neighbors)
+    counts = np.bincount(codes)
+    keep = [c for c in np.argsort(-counts, kind="stable") if counts[c] >= min_size]
+    for rank, c in enumerate(keep):
+        assign[ood[codes == c]] = rank
+    return assign, [int(counts[c]) for c in keep], tau
+
+
+def query_ood_clusters(
+    ood: np.ndarray,
+    cells: np.ndarray,
+    domain: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    min_size: int,
+    min_fraction: float = _DEFAULTS.query_min_fraction,
+    min_enrichment: float = _DEFAULTS.query_min_enrichment,
+    resolution: float = _DEFAULTS.query_resolution,
+    seed: int = 0,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+) -> list[np.ndarray]:
+    """Candidate novel clusters of batches without labelled cells, decided per cluster.
+
+    In a query batch, expression shifted by the batch makes some cells of known types score
+    poorly on the seen heads, while the seen heads absorb many cells of a novel type (a classifier
+    of two types scores a third confidently). Cell by cell, out-of-distribution calls (``ood``)
+    are noisy both ways; a cluster of the batch's cells takes a vote. All ``cells`` of each query
+    batch are clustered (Leiden on the PCA of that batch's cells, ``pca_of(idx)``), which keeps
+    types apart better than clustering only the out-of-distribution cells; a cluster of at least
+    ``min_size`` cells is a candidate when at least ``min_fraction`` of its cells are
+    out-of-distribution, or ``min_enrichment`` times the batch's overall fraction. Returns the
+    index arrays of the candidates' cells.
+    """
+    found: list[np.ndarray] = []
+    for d in np.unique(domain[cells]):  # loop over batches, not cells
+        idx = cells[domain[cells] == d]
+        if idx.size < min_size:
+            continue
+        codes = leiden(pca_of(idx), resolution, seed, n_neighbors=n_neighbors)
+        overall = ood[idx].mean()
+        for c in np.unique(codes):
+            m = idx[codes == c]
+            frac = ood[m].mean()
+            if m.size >= min_size and (frac >= min_fraction or frac >= min_enrichment * overall):
+                found.append(m)
+    return found
+
+
+def _query_candidates(ood, query, domain, pca_cells, min_size: int, cfg: DiscoveryConfig,
+                      seed: int) -> list[np.ndarray]:  # fmt: skip
+    """Candidates of the batches without labelled cells (none when there are none)."""
+    if not query.any():
+        return []
+    return query_ood_clusters(
+        ood, np.flatnonzero(query), domain, pca_cells, min_size=min_size,
+        min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
+        resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
+    )  # fmt: skip
+
+
+def _rank_by_size(
+    assign: np.ndarray, sizes: list[int], groups: list[np.ndarray]
+) -> tuple[np.ndarray, list[int]]:
+    """The query batches' candidates ``groups`` added to ``assign``; with them, candidates
+    renumbered by size, largest first.
+    """
+    for g in groups:
+        assign[g] = len(sizes)
+        sizes.append(int(g.size))
+    if groups:
+        order = np.argsort(-np.asarray(sizes), kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        assign = np.where(assign >= 0, rank[np.maximum(assign, 0)], -1)
+        sizes = [sizes[i] for i in order]
+    return assign, sizes
