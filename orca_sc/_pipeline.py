@@ -361,13 +361,14 @@ def cross_fit(
     held_correct = np.zeros(data.n_cells, dtype=bool)
     label_prob = np.full((n_folds, data.n_cells), np.nan, dtype=np.float32)
     every = np.arange(data.n_cells)
+    quiet = cfg.replace(progress=False)  # no progress bar per fold: the run's bars say enough
     for f in range(n_folds):  # loop over folds, not cells
         held = folds == f
         if not held.any():
             continue
         labels = np.where(held, -1, data.labels)
         rand = TrainRandom(cfg.seed + 100 + f, run.cells.device)
-        net, _ = fit_warmup(run.cells, labels, run.n_seen, cfg, run.plan, rand, run.comm)
+        net, _ = fit_warmup(run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm)
         train = np.flatnonzero(labels >= 0)
         if train.size > NOVELTY_REFERENCE_CELLS:  # the same random labelled cells score all
             train = np.sort(rng.choice(train, NOVELTY_REFERENCE_CELLS, replace=False))

@@ -339,7 +339,7 @@ def test_label_deserts_are_novel_cells_and_become_candidates(small_sim, monkeypa
     """Cells without labelled neighbours in the (randomly labelled) data are cells of the novel
     types, and the candidates that start the novel heads include them.
     """
-    import orca_sc._discover as ann
+    import orca_sc._discover.labels as ann
 
     truth = small_sim.obs["cell_type"].astype(str).to_numpy()
     calls = record_returns(monkeypatch, ann, "label_deserts")
@@ -515,6 +515,8 @@ def assert_uns_equal(got, want, path="uns"):
         assert isinstance(got, dict) and set(got) == set(want), path
         for k in want:
             assert_uns_equal(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, pd.DataFrame):
+        pd.testing.assert_frame_equal(got, want, obj=path)
     elif isinstance(want, (list, tuple, np.ndarray)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
     else:

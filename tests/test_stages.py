@@ -3,7 +3,9 @@
 """
 
 import ast
+import importlib
 import inspect
+import pkgutil
 
 import numpy as np
 import pytest
@@ -67,7 +69,7 @@ def test_discovery_n_neighbors_reaches_every_graph(monkeypatch):
     stage (out-of-distribution cells, query clusters, resolution calibration), not only
     the labelled-neighbour tests.
     """
-    import orca_sc._discover as D
+    import orca_sc._discover.graph as D
 
     x, _, labels = _blobs()
     used = []
@@ -79,7 +81,10 @@ def test_discovery_n_neighbors_reaches_every_graph(monkeypatch):
 
 
 def test_trainer_runs_on_arrays_and_knows_nothing_of_tl():
-    for mod in (orca_sc._train, orca_sc._discover, orca_sc.module):
+    discovery = [importlib.import_module(f"orca_sc._discover.{m.name}")
+                 for m in pkgutil.iter_modules(orca_sc._discover.__path__)]  # fmt: skip
+    assert len(discovery) >= 7  # the package's modules, each checked
+    for mod in (orca_sc._train, orca_sc._discover, orca_sc.module, *discovery):
         tree = ast.parse(inspect.getsource(mod))
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
