@@ -35,9 +35,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("reports/dev_suite.csv"))
     args = ap.parse_args()
     overrides = config_overrides(args.set)
-    specs = dev_suite(args.data if args.data.is_dir() else None, large=not args.no_large)
-    if args.only:
-        specs = [s for s in specs if any(o in s.name for o in args.only)]
+    data = args.data if args.data.is_dir() else None
+    specs = dev_suite(data, large=not args.no_large, only=args.only)
     rows = []
     for spec in specs:
         for seed in args.seeds:

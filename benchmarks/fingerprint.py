@@ -68,9 +68,7 @@ def outputs(adata, key: str = "orca") -> dict[str, str]:
 def suite_fingerprints(data: Path | None, seeds: list[int], only: list[str] | None) -> dict:
     from orca_sc.benchmark import annotate_task, dev_suite
 
-    specs = dev_suite(data, large=False)
-    if only:
-        specs = [s for s in specs if any(o in s.name for o in only)]
+    specs = dev_suite(data, large=False, only=only)
     result = {}
     for spec in specs:
         for seed in seeds:

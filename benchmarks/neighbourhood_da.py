@@ -126,9 +126,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--out", type=Path, default=Path("reports/neighbourhood_da.md"))
     args = ap.parse_args()
-    specs = dev_suite(args.data if args.data.is_dir() else None, large=False)
-    if args.only:
-        specs = [s for s in specs if any(o in s.name for o in args.only)]
+    specs = dev_suite(args.data if args.data.is_dir() else None, large=False, only=args.only)
     rows = []
     for spec in specs:
         for seed in args.seeds:

@@ -32,16 +32,26 @@ def expected_calibration_error(
     """Expected calibration error: over ``n_bins`` equal-width bins of confidence, the mean
     absolute gap between accuracy and mean confidence, weighted by the bin's share of cells.
     """
+    if np.size(confidence) == 0:
+        return float("nan")
+    n, right, conf = calibration_bins(confidence, correct, n_bins)
+    return float(np.abs(right - conf).sum() / n.sum())
+
+
+def calibration_bins(
+    confidence: np.ndarray, correct: np.ndarray, n_bins: int = ECE_BINS
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per equal-width bin of confidence: the cells, the sum of ``correct`` and the sum of
+    confidence (what the expected calibration error and the reliability diagram are made of).
+    """
     confidence = np.asarray(confidence, dtype=np.float64)
     correct = np.asarray(correct, dtype=np.float64)
-    if confidence.size == 0:
-        return float("nan")
     b = np.minimum((confidence * n_bins).astype(np.int64), n_bins - 1)
-    n = np.bincount(b, minlength=n_bins)
-    gap = np.abs(
-        np.bincount(b, correct, minlength=n_bins) - np.bincount(b, confidence, minlength=n_bins)
+    return (
+        np.bincount(b, minlength=n_bins),
+        np.bincount(b, correct, minlength=n_bins),
+        np.bincount(b, confidence, minlength=n_bins),
     )
-    return float(gap.sum() / confidence.size) if n.sum() else float("nan")
 
 
 def _isotonic(prob: np.ndarray, correct: np.ndarray):

@@ -36,14 +36,19 @@ def label_colors(
     """The colour of each label category: a known type by its index among ``classes`` (the
     reference's), a novel cluster (``novel_k``) by its number, anything else from :data:`OTHER`.
     """
-    known = {c: KNOWN[i % len(KNOWN)] for i, c in enumerate(classes)}
-    novel = set(novel_names)
+    colors = {n: NOVEL[(_number(n) - 1) % len(NOVEL)] for n in novel_names}
+    colors.update({c: KNOWN[i % len(KNOWN)] for i, c in enumerate(classes)})  # known first
+    return colors_of(categories, colors)
+
+
+def colors_of(categories: Sequence[str], colors: dict[str, str]) -> list[str]:
+    """The colour of each category from ``colors``; a category it lacks gets the next colour of
+    :data:`OTHER`.
+    """
     out, n_other = [], 0
     for c in map(str, categories):
-        if c in known:
-            out.append(known[c])
-        elif c in novel:
-            out.append(NOVEL[(_number(c) - 1) % len(NOVEL)])
+        if c in colors:
+            out.append(colors[c])
         else:
             out.append(OTHER[n_other % len(OTHER)])
             n_other += 1

@@ -97,9 +97,10 @@ def _metrics_table(m: dict) -> str:
     return "\n".join(lines)
 
 
-def _save_results(adata, outputs, out_path, report_path, report: dict, layer, truth_key):
-    """Summary (+ metrics with a truth column), then the annotated file and the JSON report,
-    committed together. Returns ``(summary, metrics)``.
+def _stage_results(adata, outputs, out_path, report_path, report: dict, layer, truth_key):
+    """Summary (+ metrics with a truth column), then the annotated file and the report, staged
+    in ``outputs`` (the caller commits every staged file together). Returns
+    ``(summary, metrics)``.
     """
     from .tl import summarize
 
@@ -117,7 +118,6 @@ def _save_results(adata, outputs, out_path, report_path, report: dict, layer, tr
         rep = {**report, "output": str(out_path), "summary": summary, "metrics": metrics,
                "version": __version__}  # fmt: skip
         outputs.add(report_path, write_json(rep))
-    outputs.commit()
     return summary, metrics
 
 
@@ -373,15 +373,14 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
                             config=cfg, save_model=outputs.staged(model_path) if rank0 else None)  # fmt: skip
             if not rank0:
                 return
-            if several:
-                results = _save_several(adatas, outputs, out_paths, layer, truth_key)
-            else:
-                results = [_save_results(
-                    adatas[0], outputs, out_paths[0], report_path,
-                    {"command": "annotate", "reference": reference, "query": query[0],
-                     "n_novel": dict(adatas[0].uns["orca"]["n_novel"])},
-                    layer, truth_key,
-                )]  # fmt: skip
+            # each query to its own file (a report only with one query), committed together
+            results = [_stage_results(
+                a, outputs, path, report_path,
+                {"command": "annotate", "reference": reference, "query": q,
+                 "n_novel": dict(a.uns["orca"]["n_novel"])},
+                layer, truth_key,
+            ) for a, path, q in zip(adatas, out_paths, query, strict=True)]  # fmt: skip
+            outputs.commit()
         finally:
             outputs.discard()
 
@@ -394,20 +393,6 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
         + (f", {model_path}" if model_path else "")
         + (f", {report_path}" if report_path else "")
     )
-
-
-def _save_several(adatas, outputs, out_paths, layer, truth_key) -> list[tuple]:
-    """Each annotated query to its own file, committed together; the summary (and metrics)
-    of each.
-    """
-    from .tl import summarize
-
-    results = []
-    for a, path in zip(adatas, out_paths, strict=True):
-        outputs.add(path, lambda p, a=a: a.write_h5ad(p))
-        results.append((summarize(a, layer=layer), _truth_metrics(a, truth_key)))
-    outputs.commit()
-    return results
 
 
 @main.command()
@@ -492,11 +477,12 @@ def predict(
         logger.info(
             "%d of the model's %d genes found in the query.", len(m.genes) - n_missing, len(m.genes)
         )
-        summary, metrics = _save_results(
+        summary, metrics = _stage_results(
             adata, outputs, out_path, report_path,
             {"command": "predict", "model": model, "query": query, "n_genes_missing": n_missing},
             layer, truth_key,
         )  # fmt: skip
+        outputs.commit()
 
     _echo_summary(summary, metrics)
     click.echo(f"Wrote {out_path}" + (f", {report_path}" if report_path else ""))

@@ -20,6 +20,7 @@ labelled cells per type, queries of at most 15 cells per type, queries without n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -141,10 +142,12 @@ def sim_settings(large: bool = True) -> list[SimSetting]:
     return out
 
 
-def dev_suite(data_dir: str | Path | None, *, large: bool = True) -> list[TaskSpec]:
+def dev_suite(
+    data_dir: str | Path | None, *, large: bool = True, only: Sequence[str] | None = None
+) -> list[TaskSpec]:
     """Every task of the development suite whose data is here (the simulations always are):
     the real tasks both ways, their hard corners (:func:`orca_sc.benchmark._hard.hard_tasks`)
-    and the simulator sweep.
+    and the simulator sweep; with ``only``, the tasks whose name contains one of its strings.
     """
     from ._hard import hard_tasks
 
@@ -153,6 +156,8 @@ def dev_suite(data_dir: str | Path | None, *, large: bool = True) -> list[TaskSp
         TaskSpec(f"sim_{s.name}", "simulated", partial(make_sim_task, s), s.describe())
         for s in sim_settings(large)
     ]
+    if only:
+        specs = [s for s in specs if any(o in s.name for o in only)]
     return specs
 
 

@@ -113,7 +113,7 @@ def _matched_colors(adata: Any, key: str, key_added: str) -> tuple[list[str], li
     """The categories of ``obs[key]`` and their colours matched to ``orca_label``'s (see
     :func:`match_colors`), without writing anything.
     """
-    from .._colors import OTHER
+    from .._colors import colors_of
 
     lab, novel = _labels(adata, key_added)
     col = adata.obs[key]
@@ -121,14 +121,8 @@ def _matched_colors(adata: Any, key: str, key_added: str) -> tuple[list[str], li
         col.astype(str)
     )  # fmt: skip
     pal = _palette(adata, key_added, [str(c) for c in lab.cat.categories], novel)
-    colors, n_other = [], 0
-    for c in map(str, cats):
-        if c in pal:
-            colors.append(pal[c])
-        else:
-            colors.append(OTHER[n_other % len(OTHER)])
-            n_other += 1
-    return [str(c) for c in cats], colors
+    cats = [str(c) for c in cats]
+    return cats, colors_of(cats, pal)
 
 
 def _scatter(ax, xy: np.ndarray, values: np.ndarray, order: list[str], pal: dict[str, Any],
@@ -278,7 +272,7 @@ def reliability(
     ``uns['orca']['confidence']`` gives the same check on held-out labelled cells, without a
     truth column.
     """
-    from .._calibration import expected_calibration_error
+    from .._calibration import calibration_bins
 
     plt = _plt()
     lab, novel = _labels(adata, key_added)
@@ -289,11 +283,9 @@ def reliability(
     known = ~np.isin(label, novel)
     conf = adata.obs[f"{key_added}_confidence"].to_numpy(dtype=np.float64)[known]
     right = (label == adata.obs[truth_key].astype(str).to_numpy())[known].astype(np.float64)
-    b = np.minimum((conf * n_bins).astype(np.int64), n_bins - 1)
-    n = np.bincount(b, minlength=n_bins)
+    n, n_right, sum_conf = calibration_bins(conf, right, n_bins)
     with np.errstate(invalid="ignore", divide="ignore"):
-        acc = np.bincount(b, right, minlength=n_bins) / n
-        mean_conf = np.bincount(b, conf, minlength=n_bins) / n
+        acc, mean_conf = n_right / n, sum_conf / n
     if ax is None:
         _, ax = plt.subplots(figsize=(4.2, 4))
     edges = np.linspace(0, 1, n_bins + 1)
@@ -307,7 +299,7 @@ def reliability(
     ax.set_ylim(0, 1.02)
     ax.set_xlabel(f"{key_added}_confidence")
     ax.set_ylabel(f"share of labels right ({truth_key})")
-    ece = expected_calibration_error(conf, right, n_bins)
+    ece = np.abs(n_right - sum_conf).sum() / n.sum() if n.sum() else float("nan")
     ax.set_title(f"ECE {ece:.3f} over {int(known.sum())} cells labelled a known type", fontsize=9)
     ax.legend(loc="upper left", fontsize=7, frameon=False)
     return _finish(ax, show, save, "reliability")

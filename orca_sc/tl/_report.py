@@ -111,8 +111,13 @@ class _Page:
     """The sections of the report, from the annotated AnnData and its summary."""
 
     def __init__(self, adata: Any, key: str, truth_key: str | None, summary: dict) -> None:
+        from ..pl import _labels, _palette
+
         self.adata, self.key, self.truth_key, self.summary = adata, key, truth_key, summary
         self.uns = adata.uns.get(key, {})
+        self.labels, self.novel = _labels(adata, key)
+        self.cats = [str(c) for c in self.labels.cat.categories]
+        self.colors = _palette(adata, key, self.cats, self.novel)  # one colour per label
 
     def render(self, coords: tuple[str, np.ndarray], layer: str | None) -> str:
         from .. import __version__
@@ -136,17 +141,10 @@ class _Page:
             f"{body}</body></html>\n"
         )
 
-    def _colors(self) -> dict[str, str]:
-        from ..pl import _labels, _palette
-
-        lab, novel = _labels(self.adata, self.key)
-        cats = [str(c) for c in lab.cat.categories]
-        return _palette(self.adata, self.key, cats, novel)
-
     def _summary(self) -> str:
         s = self.summary
         novel = {r["name"] for r in s["novel"]}
-        colors = self._colors()
+        colors = self.colors
         rows = []
         for label, n in s["label_counts"].items():
             swatch = f"<span class='sw' style='background:{colors.get(label, '#999')}'></span>"
@@ -165,15 +163,14 @@ class _Page:
     def _embedding(self, name: str, xy: np.ndarray) -> str:
         import matplotlib.pyplot as plt
 
-        from ..pl import _labels, _matched_colors, _point_size, _scatter
+        from ..pl import _matched_colors, _point_size, _scatter
 
-        lab, novel = _labels(self.adata, self.key)
-        cats = [str(c) for c in lab.cat.categories]
         panels = 2 if self.truth_key else 1
         fig, axes = plt.subplots(1, panels, figsize=(8.5 * panels, 5.2), squeeze=False)
         fig.subplots_adjust(wspace=0.75)  # room for the first panel's legend
         size = _point_size(self.adata.n_obs) / 3
-        _scatter(axes[0, 0], xy, lab.astype(str).to_numpy(), cats, self._colors(), novel, size)
+        _scatter(axes[0, 0], xy, self.labels.astype(str).to_numpy(), self.cats, self.colors,
+                 self.novel, size)  # fmt: skip
         axes[0, 0].set_title(f"{self.key}_label")
         if self.truth_key:
             t_cats, t_colors = _matched_colors(self.adata, self.truth_key, self.key)
@@ -202,7 +199,7 @@ class _Page:
                 strict=False,
             )
         )
-        colors = self._colors()
+        colors = self.colors
         rows = []
         for r in novel:
             swatch = f"<span class='sw' style='background:{colors.get(r['name'], '#999')}'></span>"
