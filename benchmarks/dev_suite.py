@@ -2,8 +2,11 @@
 ``DiscoveryConfig`` overrides: the before/after run for every change of a default.
 ``orca-sc benchmark --suite dev`` runs the same tasks with the baselines.
 
-Usage: ``python benchmarks/dev_suite.py [--data DIR] [--seeds 0 1 2] [--only NAME ...]
-[--no-large] [--set key=value ...] [--out reports/dev_suite.csv]``
+Usage: ``python benchmarks/dev_suite.py [--data DIR] [--seeds 0 1 2] [--task-seed N]
+[--only NAME ...] [--no-large] [--set key=value ...] [--out reports/dev_suite.csv]``
+
+``--task-seed N`` draws every task's split (labelled cells, hidden types, subsamples) with seed
+``N`` and varies only the model's seed: the same data, another seed.
 Prints one line per run, then the suite table; writes the runs (CSV) and the table (Markdown).
 """
 
@@ -29,6 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--task-seed", type=int, default=None, help="one split for every seed")
     ap.add_argument("--only", nargs="*", default=None, help="tasks whose name contains one")
     ap.add_argument("--no-large", action="store_true", help="skip the 50,000-cell query")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides, key=value")
@@ -40,7 +44,7 @@ def main() -> None:
     rows = []
     for spec in specs:
         for seed in args.seeds:
-            task = spec.make(seed)
+            task = spec.make(seed if args.task_seed is None else args.task_seed)
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
