@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 import torch
-from conftest import FAST, SHARED_DATA, open_world, rare_in_reference, record_returns
+from conftest import FAST, LABELS_ONLY, SHARED_DATA, open_world, rare_in_reference, record_returns
 
 import orca_sc
 from orca_sc import OrcaInputError, OrcaModel, TrainingDivergedError
@@ -16,7 +16,7 @@ def test_end_to_end_simulated_open_world():
     """Simulated counts, 3 seen + 3 novel types, paper protocol, default settings."""
     a = orca_sc.datasets.simulate(1200, 1000, 6, markers_per_type=60, marker_fold=4.0, seed=0)
     open_world(a, ["type_0", "type_1", "type_2"])
-    orca_sc.tl.annotate(a, labels_key="lab", n_genes=500, progress=False)
+    orca_sc.tl.annotate(a, labels_key="lab", n_genes=500, progress=False, **LABELS_ONLY)
     r = orca_sc.metrics.report(a, "cell_type")
     assert r["seen_accuracy"] >= 0.9
     assert r["novel_accuracy"] >= 0.8
@@ -199,7 +199,7 @@ def test_tabula_muris_kidney_to_marrow(capsys):
     a = a[a.obs.cell_type != "unannotated"].copy()
     ref, query = a[a.obs.tissue == "Kidney"].copy(), a[a.obs.tissue == "Marrow"].copy()
     truth = query.obs["cell_type"].astype(str)
-    orca_sc.tl.annotate(query, ref, labels_key="cell_type", progress=False)
+    orca_sc.tl.annotate(query, ref, labels_key="cell_type", progress=False, **LABELS_ONLY)
     lab = query.obs["orca_label"].astype(str)
     b = truth.str.contains("B cell").to_numpy()
     kidney_only = [
@@ -236,7 +236,9 @@ def test_cross_technology_pbmc_novel_b_cells():
     found, seen = 0, []
     for seed in range(3):
         query = a[a.obs["batch"] == "inDrops"].copy()
-        orca_sc.tl.annotate(query, ref, labels_key="cell_type", progress=False, seed=seed)
+        orca_sc.tl.annotate(
+            query, ref, labels_key="cell_type", progress=False, seed=seed, **LABELS_ONLY
+        )
         r = orca_sc.metrics.report(query, "cell_type")
         seen.append(r["seen_accuracy"])
         ok = r["n_novel_found"] == 1 and r["novel_accuracy"] > 0.85
@@ -259,7 +261,7 @@ def test_closed_world_query_keeps_known_types():
     query = query[query.obs["cell_type"].isin(ref.obs["cell_type"].unique())].copy()
     truth = query.obs["cell_type"].astype(str).to_numpy()
     query.obs = query.obs.drop(columns=["cell_type"])
-    orca_sc.tl.annotate(query, ref, labels_key="cell_type", progress=False)
+    orca_sc.tl.annotate(query, ref, labels_key="cell_type", progress=False, **LABELS_ONLY)
     label = query.obs["orca_label"].astype(str).to_numpy()
     assert np.mean(label == truth) > 0.95
     assert query.obs["orca_novel"].notna().mean() < 0.02
@@ -276,7 +278,7 @@ def test_worm_neuron_protocol_broad_types():
     from orca_sc.benchmark import annotate_task, builtin_tasks
 
     spec = next(t for t in builtin_tasks(SHARED_DATA) if t.name == "worm_neuron_protocol")
-    q, rows = annotate_task(spec.make(0), 0)
+    q, rows = annotate_task(spec.make(0), 0, **LABELS_ONLY)
     r = orca_sc.metrics.report(q[rows], "truth")
     assert r["seen_accuracy"] > 0.85
     assert r["novel_accuracy"] > 0.75
@@ -418,7 +420,7 @@ def test_novel_cells_are_not_absorbed_by_seen_heads_on_simulated_counts():
     from orca_sc.benchmark import simulated_open_world
 
     a, lab = simulated_open_world(3000, 1000, seed=0)
-    orca_sc.tl.annotate(a, labels_key="lab", progress=False)
+    orca_sc.tl.annotate(a, labels_key="lab", progress=False, **LABELS_ONLY)
     q = a[~lab]
     novel = ~q.obs["cell_type"].isin([f"type_{i}" for i in range(5)]).to_numpy()
     absorbed = q.obs["orca_novel"].isna().to_numpy()[novel].mean()
@@ -449,8 +451,9 @@ def test_anchoring_separates_novel_types_the_warm_up_embedding_merges():
     for epochs in (0, 1):
         a, lab = simulated_open_world(4000, 2000, seed=0)
         orca_sc.tl.annotate(
-            a, labels_key="lab", progress=False, anchor_epochs=epochs, pair_space="pca"
-        )
+            a, labels_key="lab", progress=False, anchor_epochs=epochs, pair_space="pca",
+            novelty_folds=0,
+        )  # fmt: skip
         q = a[~lab]
         r = orca_sc.metrics.report(q, "cell_type")
         assert r["seen_accuracy"] > 0.95
@@ -484,7 +487,11 @@ def test_known_type_rare_in_reference_is_not_reported_as_novel(tmp_path):
     out = {}
     for thr in (0.7, None):
         q = query.copy()
-        orca_sc.tl.annotate(q, ref, labels_key="cell_type", progress=False, merge_threshold=thr)
+        # the run without the merge is checked for labels only
+        extra = {} if thr else LABELS_ONLY
+        orca_sc.tl.annotate(
+            q, ref, labels_key="cell_type", progress=False, merge_threshold=thr, **extra
+        )
         out[thr] = q
     q = out[0.7]
     pred = q.obs["orca_label"].astype(str).to_numpy()

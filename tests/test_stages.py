@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-from conftest import FAST
+from conftest import FAST, LABELS_ONLY
 
 import orca_sc
 from orca_sc import DiscoveryConfig, OrcaConfig, OrcaModel
@@ -197,12 +197,12 @@ def test_few_labels_are_flagged_and_calibration_keeps_known_types_known():
     (``calibration_fraction=0.2``), known cells stay known (seen 0.85).
     """
     task = _sim_task(n_ref=200, n_query=150)
-    off, u_off = _run(task)
+    off, u_off = _run(task, **LABELS_ONLY)
     notes = u_off["estimate"]["notes"]
     assert any("Few labelled cells per known type" in n for n in notes)
     # a 150-cell query cannot support small novel types: the output says so too
     assert any("unlabelled cells" in n for n in notes)
-    r, u = _run(task, calibration_fraction=0.2)
+    r, u = _run(task, calibration_fraction=0.2, **LABELS_ONLY)
     assert r["seen_acc"] >= 0.8 and r["known_called_novel"] <= 0.2
     assert u["estimate"]["n_calibration"] > 20
     assert u["estimate"]["threshold"] <= u["estimate"]["threshold_in_sample"]
@@ -261,11 +261,13 @@ def test_small_corners_of_the_sweep():
     """A 150-cell query (~12 cells per type) keeps seen accuracy; two well-separated novel
     types give two clusters; a query with no novel type gives no novel cluster.
     """
-    r, _ = _run(_sim_task(n_ref=600, n_query=150))
+    r, _ = _run(_sim_task(n_ref=600, n_query=150), **LABELS_ONLY)
     assert r["seen_acc"] >= 0.8
-    two, _ = _run(_sim_task(n_ref=400, n_query=400, n_seen=4, n_novel=2, imbalance=1.0))
+    two, _ = _run(
+        _sim_task(n_ref=400, n_query=400, n_seen=4, n_novel=2, imbalance=1.0), **LABELS_ONLY
+    )
     assert two["novel_found"] == 2 and two["novel_acc"] > 0.95
-    none, u = _run(_sim_task(n_ref=600, n_query=600, n_novel=0))
+    none, u = _run(_sim_task(n_ref=600, n_query=600, n_novel=0), **LABELS_ONLY)
     assert none["novel_found"] == 0 and u["n_novel"]["found"] == 0
 
 
@@ -360,7 +362,9 @@ def test_self_check_reports_in_uns_and_leaves_the_annotation_alone(monkeypatch, 
     # a 200-cell reference on 1,000 genes: the warm-up memorises its few labels and 63% of the
     # query's known-type cells are called novel; the self-check sees it on the reference and
     # says so (its held-out known-type cells: 100% called novel)
-    few, u_few = _run(_sim_task(n_ref=200, n_query=150, n_genes=1000), self_check=True)
+    few, u_few = _run(
+        _sim_task(n_ref=200, n_query=150, n_genes=1000), self_check=True, **LABELS_ONLY
+    )
     assert few["known_called_novel"] > 0.3
     assert u_few["self_check"]["known_called_novel"] > 0.3
     assert any("held-out known-type cells into novel" in n for n in u_few["self_check"]["notes"])
