@@ -91,6 +91,8 @@ class DiscoveryConfig:
         Level of the conformal novelty test: known-type cells exchangeable with the reference get p <= alpha at most this often.
     novelty_folds
         Folds of labelled cells cross-fitting the novelty p-values (one warm-up each; 0: no p-values).
+    ood_ensemble
+        Further warm-ups on every label, each with its own seed, that vote with the main one on which cells are out-of-distribution (0: none).
 
     """
 
@@ -124,6 +126,7 @@ class DiscoveryConfig:
     no_warmup_rel_threshold: float = 0.1
     novelty_alpha: float = 0.05
     novelty_folds: int = 5
+    ood_ensemble: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
@@ -176,6 +179,8 @@ class DiscoveryConfig:
             _invalid("calibration_probe", self.calibration_probe, "True or False")
         if not isinstance(self.self_check, bool):
             _invalid("self_check", self.self_check, "True or False")
+        if not _is_int(self.ood_ensemble) or self.ood_ensemble < 0:
+            _invalid("ood_ensemble", self.ood_ensemble, "a non-negative integer")
         thr = self.merge_threshold
         if thr is not None and not (_is_number(thr) and 0 < thr <= 1):
             _invalid("merge_threshold", thr, "a number in (0, 1] or None")

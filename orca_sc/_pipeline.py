@@ -27,6 +27,7 @@ from ._data import PreparedData, prepare
 from ._discover import (
     Discovery,
     calibration_split,
+    consensus_margin,
     discover,
     discover_without_warmup,
     pca_embedding,
@@ -193,9 +194,11 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     warm = warm_up(run)
     check = self_check(run) if run.config.discovery.self_check else None
     t1 = time.perf_counter()
+    ensemble = tuple((net, warm.held) for net in extra_warmups(run, warm.held))
     cand = find_candidates(
-        run, warm.net, warm.held, ood_cap=warm.ood_cap, warmed_up=run.plan.warmup > 0
-    )
+        run, warm.net, warm.held, ood_cap=warm.ood_cap, warmed_up=run.plan.warmup > 0,
+        ensemble=ensemble,
+    )  # fmt: skip
     t2 = time.perf_counter()
     ow = open_world(run, warm, cand)
     t3 = time.perf_counter()
@@ -236,6 +239,23 @@ def warm_up(run: RunContext) -> WarmUp:
     return WarmUp(net, history, held, _probe_cap(run, calib) if probe else None)
 
 
+def extra_warmups(run: RunContext, held: np.ndarray) -> list[OrcaNet]:
+    """``discovery.ood_ensemble`` further warm-ups on the main warm-up's labels (less the
+    ``held`` cells), each with its own random streams: they vote on which cells are
+    out-of-distribution (:func:`orca_sc._discover.consensus_margin`).
+    """
+    cfg = run.config
+    if run.plan.warmup == 0:
+        return []
+    labels = np.where(held, -1, run.data.labels)
+    quiet = cfg.replace(progress=False)
+    nets = []
+    for k in range(cfg.discovery.ood_ensemble):  # loop over nets, not cells
+        rand = TrainRandom(cfg.seed + 200 + k, run.cells.device)
+        nets.append(fit_warmup(run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm)[0])
+    return nets
+
+
 def _probe_cap(run: RunContext, calib: np.ndarray) -> float:
     """The calibrated threshold of a probe warm-up that did not see the ``calib`` cells."""
     data, cfg = run.data, run.config
@@ -256,9 +276,13 @@ def find_candidates(
     warmed_up: bool = True,
     labels: np.ndarray | None = None,
     domain: np.ndarray | None = None,
+    ensemble: tuple[tuple[OrcaNet, np.ndarray], ...] = (),
 ) -> Candidates:
     """The discover stage on (at most ``discovery.max_cells``) cells; ``labels`` and ``domain``
-    replace the data's (the self-check hides some). A decision: made on rank 0.
+    replace the data's (the self-check hides some); ``ensemble``: further warmed-up nets, each
+    with the labelled cells it did not train on, which vote with ``net`` on which cells are
+    out-of-distribution (``discovery.ood_ensemble``, :func:`consensus_margin`). A decision: made
+    on rank 0.
     """
     data, cfg, dc = run.data, run.config, run.config.discovery
     labels = data.labels if labels is None else labels
@@ -277,11 +301,23 @@ def find_candidates(
         )  # fmt: skip
         return Candidates(found, rows, None)
     emb, similarity = seen_similarity(net, run.cells, rows, run.comm)
+    margin = None
+    if ensemble:
+        lab = labels[rows] >= 0
+        maxcos = [similarity.max(axis=1)]
+        train = [lab & ~calib[rows]]
+        for other, held in ensemble:  # loop over nets, not cells
+            maxcos.append(seen_similarity(other, run.cells, rows, run.comm)[1].max(axis=1))
+            train.append(lab & ~held[rows])
+        margin = run.comm.on_main(
+            lambda: consensus_margin(np.stack(maxcos), np.stack(train), calib[rows] & lab, dc,
+                                     ood_cap)
+        )  # fmt: skip
     found = run.comm.on_main(
         lambda: discover(
             emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
             ood_cap=ood_cap, n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed,
-            domain_names=[*data.domain_names, "self-check"],
+            domain_names=[*data.domain_names, "self-check"], ood_margin=margin,
         )
     )  # fmt: skip
     return Candidates(found, rows, similarity.max(axis=1))

@@ -444,6 +444,8 @@ def test_every_config_field_is_validated(field, value):
         ("core_min_agree", 1.2),
         ("core_min_fraction", -0.2),
         ("no_warmup_rel_threshold", 3),
+        ("ood_ensemble", -1),
+        ("ood_ensemble", True),
     ],
 )
 def test_every_discovery_field_is_validated(field, value):

@@ -56,6 +56,7 @@ from .ood import (
     _query_candidates,
     _rank_by_size,
     calibration_split,
+    consensus_margin,
     ood_clusters,
     ood_threshold,
     probe_threshold,
@@ -79,6 +80,7 @@ def discover(
     cfg: DiscoveryConfig = _DEFAULTS,
     seed: int = 0,
     domain_names: list[str] | None = None,
+    ood_margin: np.ndarray | None = None,
 ) -> Discovery:
     """Candidate novel clusters after the warm-up, and the novel heads they start: clusters of
     unlabelled cells the seen heads do not explain (:func:`ood_clusters`; in batches without
@@ -88,7 +90,9 @@ def discover(
     cosine to each seen head; ``labels`` (``-1`` unlabelled); ``domain``: batch codes;
     ``pca_of(idx)``: the PCA of the aligned expression of the cells ``idx``; ``calibration``:
     labelled cells the warm-up did not train on (:func:`calibration_split`) and ``ood_cap``: a
-    probe's threshold (:func:`probe_threshold`), which cap the threshold (:func:`ood_threshold`).
+    probe's threshold (:func:`probe_threshold`), which cap the threshold (:func:`ood_threshold`);
+    ``ood_margin``: several nets' consensus (:func:`consensus_margin`), which replaces the
+    threshold on ``seen_similarity`` (a cell is out-of-distribution below 0).
     """
     pca_cells = _once_per_cell_set(pca_of)
     lab, maxcos = labels >= 0, seen_similarity.max(axis=1)
@@ -102,8 +106,11 @@ def discover(
         labels, pca_cells, seed=seed, calibrate=bool((~lab & ~query).any()), cfg=cfg
     )
     calib = np.zeros_like(lab) if calibration is None else calibration & lab
-    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
-    if ood_cap is not None:
+    if ood_margin is not None:
+        maxcos, tau, tau_info = ood_margin, 0.0, {"threshold_consensus": 0.0}
+    else:
+        tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
+    if ood_cap is not None and ood_margin is None:
         tau, tau_info = min(tau, ood_cap), {**tau_info, "threshold_probe": ood_cap}
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
@@ -132,6 +139,7 @@ __all__ = [
     "calibrate_resolution",
     "calibration_split",
     "cluster_cores",
+    "consensus_margin",
     "discover",
     "discover_without_warmup",
     "estimate_n_novel",

@@ -65,6 +65,28 @@ def ood_threshold(
     }
 
 
+def consensus_margin(
+    maxcos: np.ndarray,
+    train: np.ndarray,
+    calibration: np.ndarray,
+    cfg: DiscoveryConfig,
+    ood_cap: float | None = None,
+) -> np.ndarray:
+    """The out-of-distribution call of several warmed-up nets by majority (``ood_ensemble``):
+    each net's best seen-head cosine ``maxcos`` ``(members, n)`` less that net's own threshold
+    (:func:`ood_threshold` over the labelled cells it trained on, ``train`` ``(members, n)``;
+    ``calibration``: labelled cells none of them trained on; ``ood_cap`` applies to the first
+    net, the main warm-up), and the median of these margins over the nets. A cell is
+    out-of-distribution where the median is below 0, that is where most nets call it so, each
+    by the rule one net alone would apply.
+    """
+    taus = []
+    for m in range(maxcos.shape[0]):  # loop over nets, not cells
+        tau, _ = ood_threshold(maxcos[m], train[m], calibration, cfg)
+        taus.append(min(tau, ood_cap) if m == 0 and ood_cap is not None else tau)
+    return np.median(maxcos - np.asarray(taus)[:, None], axis=0)
+
+
 def probe_threshold(
     maxcos: np.ndarray, train: np.ndarray, held: np.ndarray, cfg: DiscoveryConfig
 ) -> float:
