@@ -78,7 +78,8 @@ def consensus_margin(
     ``calibration``: labelled cells none of them trained on; ``ood_cap`` applies to the first
     net, the main warm-up), and the median of these margins over the nets. A cell is
     out-of-distribution where the median is below 0, that is where most nets call it so, each
-    by the rule one net alone would apply.
+    by the rule one net alone would apply (with an even number of nets, where the mean of the
+    middle two margins is below 0).
     """
     taus = []
     for m in range(maxcos.shape[0]):  # loop over nets, not cells
