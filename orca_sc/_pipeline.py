@@ -194,7 +194,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     warm = warm_up(run)
     check = self_check(run) if run.config.discovery.self_check else None
     t1 = time.perf_counter()
-    ensemble = tuple((net, warm.held) for net in extra_warmups(run, warm.held))
+    ensemble = extra_warmups(run, warm.held)
     cand = find_candidates(
         run, warm.net, warm.held, ood_cap=warm.ood_cap, warmed_up=run.plan.warmup > 0,
         ensemble=ensemble,
@@ -239,21 +239,26 @@ def warm_up(run: RunContext) -> WarmUp:
     return WarmUp(net, history, held, _probe_cap(run, calib) if probe else None)
 
 
-def extra_warmups(run: RunContext, held: np.ndarray) -> list[OrcaNet]:
+def extra_warmups(run: RunContext, held: np.ndarray) -> tuple[OrcaNet, ...]:
     """``discovery.ood_ensemble`` further warm-ups on the main warm-up's labels (less the
     ``held`` cells), each with its own random streams: they vote on which cells are
     out-of-distribution (:func:`orca_sc._discover.consensus_margin`).
     """
-    cfg = run.config
     if run.plan.warmup == 0:
-        return []
+        return ()
+    seed = run.config.seed
+    return tuple(_side_warmup(run, held, seed + 200 + k)
+                 for k in range(run.config.discovery.ood_ensemble))  # fmt: skip
+
+
+def _side_warmup(run: RunContext, held: np.ndarray, seed: int) -> OrcaNet:
+    """A supervised warm-up beside the main one, without the labelled cells ``held``, with the
+    random streams of ``seed`` and no progress bar of its own (the run's bars say enough).
+    """
     labels = np.where(held, -1, run.data.labels)
-    quiet = cfg.replace(progress=False)
-    nets = []
-    for k in range(cfg.discovery.ood_ensemble):  # loop over nets, not cells
-        rand = TrainRandom(cfg.seed + 200 + k, run.cells.device)
-        nets.append(fit_warmup(run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm)[0])
-    return nets
+    quiet = run.config.replace(progress=False)
+    rand = TrainRandom(seed, run.cells.device)
+    return fit_warmup(run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm)[0]
 
 
 def _probe_cap(run: RunContext, calib: np.ndarray) -> float:
@@ -276,13 +281,12 @@ def find_candidates(
     warmed_up: bool = True,
     labels: np.ndarray | None = None,
     domain: np.ndarray | None = None,
-    ensemble: tuple[tuple[OrcaNet, np.ndarray], ...] = (),
+    ensemble: tuple[OrcaNet, ...] = (),
 ) -> Candidates:
     """The discover stage on (at most ``discovery.max_cells``) cells; ``labels`` and ``domain``
-    replace the data's (the self-check hides some); ``ensemble``: further warmed-up nets, each
-    with the labelled cells it did not train on, which vote with ``net`` on which cells are
-    out-of-distribution (``discovery.ood_ensemble``, :func:`consensus_margin`). A decision: made
-    on rank 0.
+    replace the data's (the self-check hides some); ``ensemble``: further nets warmed up on
+    ``net``'s labels, which vote with it on which cells are out-of-distribution
+    (``discovery.ood_ensemble``, :func:`consensus_margin`). A decision: made on rank 0.
     """
     data, cfg, dc = run.data, run.config, run.config.discovery
     labels = data.labels if labels is None else labels
@@ -301,18 +305,16 @@ def find_candidates(
         )  # fmt: skip
         return Candidates(found, rows, None)
     emb, similarity = seen_similarity(net, run.cells, rows, run.comm)
+    best = similarity.max(axis=1)
     margin = None
     if ensemble:
         lab = labels[rows] >= 0
-        maxcos = [similarity.max(axis=1)]
-        train = [lab & ~calib[rows]]
-        for other, held in ensemble:  # loop over nets, not cells
-            maxcos.append(seen_similarity(other, run.cells, rows, run.comm)[1].max(axis=1))
-            train.append(lab & ~held[rows])
+        maxcos = np.stack([best, *(seen_similarity(other, run.cells, rows, run.comm)[1].max(axis=1)
+                                   for other in ensemble)])  # fmt: skip
+        train = np.broadcast_to(lab & ~calib[rows], maxcos.shape)  # every net: the same labels
         margin = run.comm.on_main(
-            lambda: consensus_margin(np.stack(maxcos), np.stack(train), calib[rows] & lab, dc,
-                                     ood_cap)
-        )  # fmt: skip
+            lambda: consensus_margin(maxcos, train, calib[rows] & lab, dc, ood_cap)
+        )
     found = run.comm.on_main(
         lambda: discover(
             emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
@@ -320,7 +322,7 @@ def find_candidates(
             domain_names=[*data.domain_names, "self-check"], ood_margin=margin,
         )
     )  # fmt: skip
-    return Candidates(found, rows, similarity.max(axis=1))
+    return Candidates(found, rows, best)
 
 
 def open_world(run: RunContext, warm: WarmUp, cand: Candidates) -> OpenWorldFit:
@@ -397,15 +399,12 @@ def cross_fit(
     held_correct = np.zeros(data.n_cells, dtype=bool)
     label_prob = np.full((n_folds, data.n_cells), np.nan, dtype=np.float32)
     every = np.arange(data.n_cells)
-    quiet = cfg.replace(progress=False)  # no progress bar per fold: the run's bars say enough
     for f in range(n_folds):  # loop over folds, not cells
         held = folds == f
         if not held.any():
             continue
-        labels = np.where(held, -1, data.labels)
-        rand = TrainRandom(cfg.seed + 100 + f, run.cells.device)
-        net, _ = fit_warmup(run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm)
-        train = np.flatnonzero(labels >= 0)
+        net = _side_warmup(run, held, cfg.seed + 100 + f)
+        train = np.flatnonzero(data.labeled & ~held)
         if train.size > NOVELTY_REFERENCE_CELLS:  # the same random labelled cells score all
             train = np.sort(rng.choice(train, NOVELTY_REFERENCE_CELLS, replace=False))
         probs, emb = infer(net, run.cells, comm=run.comm)

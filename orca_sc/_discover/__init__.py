@@ -106,12 +106,12 @@ def discover(
         labels, pca_cells, seed=seed, calibrate=bool((~lab & ~query).any()), cfg=cfg
     )
     calib = np.zeros_like(lab) if calibration is None else calibration & lab
-    if ood_margin is not None:
+    if ood_margin is not None:  # the cap, if any, is in the margin
         maxcos, tau, tau_info = ood_margin, 0.0, {"threshold_consensus": 0.0}
     else:
         tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
-    if ood_cap is not None and ood_margin is None:
-        tau, tau_info = min(tau, ood_cap), {**tau_info, "threshold_probe": ood_cap}
+        if ood_cap is not None:
+            tau, tau_info = min(tau, ood_cap), {**tau_info, "threshold_probe": ood_cap}
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
         resolution=resolution, min_size=min_size, seed=seed, exclude=ev.supported | query,
