@@ -17,6 +17,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from _overrides import config_overrides
@@ -65,6 +66,7 @@ def main() -> None:
                 **novelty_test_shares(q, sl, task),
                 **confidence_figures(q, sl, task),
                 **_per_cell_columns(q, sl, task),
+                **_evidence_columns(q, sl, task),
             }
             rows.append(row)
             print(
@@ -96,6 +98,32 @@ def _per_cell_columns(q, rows, task) -> dict:
     mixed = q.obs["orca_vote_mixed"].to_numpy()[rows]
     return {**{f"per_cell_{k}": v for k, v in figures.items()},
             "vote_mixed_share": float(mixed.mean())}  # fmt: skip
+
+
+#: ``uns['orca']['novel_evidence']`` levels, as column names
+EVIDENCE = {"supported": "supported", "cannot tell": "cannot_tell",
+            "not confirmed": "not_confirmed", "not tested": "not_tested"}  # fmt: skip
+
+
+def _evidence_columns(q, rows, task) -> dict:
+    """Per evidence level of the novel clusters (``uns['orca']['novel_evidence']``): how many
+    clusters (``ev_<level>_clusters``), how many of them are mostly cells of known types
+    (``ev_<level>_false``), their cells and their cells of novel types; for
+    ``benchmarks/evidence_table.py``.
+    """
+    ev = q.uns["orca"].get("novel_evidence", {})
+    label = q.obs["orca_label"].astype(str).to_numpy()[rows]
+    novel = ~np.isin(np.asarray(task.truth, dtype=str), task.seen)
+    out = {f"ev_{c}_{k}": 0 for c in EVIDENCE.values()
+           for k in ("clusters", "false", "cells", "novel_cells")}  # fmt: skip
+    for name, level in zip(ev.get("cluster", []), ev.get("evidence", []), strict=True):
+        members = label == name
+        col = EVIDENCE[str(level)]
+        out[f"ev_{col}_clusters"] += 1
+        out[f"ev_{col}_false"] += int(novel[members].mean() < 0.5) if members.any() else 0
+        out[f"ev_{col}_cells"] += int(members.sum())
+        out[f"ev_{col}_novel_cells"] += int(novel[members].sum())
+    return out
 
 
 def _self_check_columns(check: dict | None) -> dict:

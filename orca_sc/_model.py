@@ -16,7 +16,14 @@ import torch
 
 from . import __version__
 from ._align import aligned_group_means, centroid_shift, identity, profile_similarity, standardize
-from ._annotation import Annotation, Naming, annotate_uns, jsonable, novelty_test
+from ._annotation import (
+    Annotation,
+    Naming,
+    annotate_uns,
+    evidence_note,
+    jsonable,
+    novelty_test,
+)
 from ._calibration import apply_transfer, calibrate
 from ._card import model_card
 from ._config import OrcaConfig, resolve_config
@@ -75,6 +82,8 @@ def train(
         logger.warning(note)
     confidence, calibration = _confidence(fit, head, model)
     uns = annotate_uns(fit, model, head, naming, labels_key, mode, test, calibration)
+    if (note := evidence_note(uns["novel_evidence"])) is not None:
+        logger.warning(note)
     vote = None
     if cfg.majority_vote:
         vote = _majority_vote(fit, labels)

@@ -70,6 +70,8 @@ def _echo_summary(summary: dict, metrics: dict | None) -> None:
             )
             if rec["markers"]:
                 click.echo(f"      top markers: {', '.join(rec['markers'])}")
+            if rec.get("evidence") == "cannot tell":
+                click.echo(f"      the data cannot support this call: {rec['reason']}")
     else:
         click.echo("No novel clusters: every cell was assigned to a known type.")
     check = summary.get("self_check")

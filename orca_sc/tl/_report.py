@@ -207,6 +207,8 @@ class _Page:
             share = shares.get(r["name"])
             verdict = _e(r["supported"]) + (f" ({share:.0%} of cells p ≤ α)" if share is not None
                                            else "")  # fmt: skip
+            if r.get("evidence") == "cannot tell":
+                verdict += f"; <b>the data cannot support this call</b>: {_e(r['reason'])}"
             rows.append([swatch + _e(r["name"]), f"{r['size']:,}", _e(", ".join(r["markers"])),
                          closest, verdict])  # fmt: skip
         alpha = test.get("alpha")
@@ -217,7 +219,9 @@ class _Page:
             + (f" at α = {alpha}" if alpha is not None else "")
             + ": <i>significant</i> supports a new type; <i>not significant</i> is no evidence "
             "either way (little power for types close to a known one); <i>cannot tell</i>: too "
-            "few labelled cells to calibrate the test.</p>"
+            "few labelled cells to calibrate the test. Where the test does not confirm a cluster and the "
+            "cluster is small or its closest known type has few labels, the data cannot support "
+            "the call, and the row says why.</p>"
         )
         out = "<h2>Novel clusters</h2>" + lead
         out += _table(["cluster", "cells", "markers", "closest known types", "novelty test"], rows)

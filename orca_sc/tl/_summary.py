@@ -47,7 +47,8 @@ def summarize(
     A JSON-able dict: ``n_cells``, ``label_counts`` (label → cells, largest first),
     ``mean_confidence`` and ``novel`` (one record per novel cluster: ``name``, ``size``,
     ``markers``, ``closest`` as ``[{"type", "similarity"}]``, ``supported``: the novelty test's
-    verdict, ``uns['{key_added}']['novelty_test']``), and ``self_check`` when the run
+    verdict, ``uns['{key_added}']['novelty_test']``; ``evidence`` and ``reason``: whether the
+    data can support the call, ``uns['{key_added}']['novel_evidence']``), and ``self_check`` when the run
     made one (``annotate(..., self_check=True)``: hidden types, the share of their cells called
     novel, the share of held-out known-type cells called novel, clusters found).
 
@@ -69,6 +70,9 @@ def summarize(
     markers = _markers(adata, labels, novel_names, n_markers, layer) if n_markers > 0 else {}
     test = uns.get("novelty_test", {}).get("clusters", {})
     support = dict(zip(test.get("cluster", []), test.get("supported", []), strict=False))
+    ev = uns.get("novel_evidence", {})
+    evidence = dict(zip(ev.get("cluster", []), zip(ev.get("evidence", []), ev.get("reason", []),
+                                                    strict=False), strict=False))  # fmt: skip
     novel = []
     for name in novel_names:
         row = values[clusters.index(name)] if name in clusters else np.zeros(0)
@@ -80,6 +84,8 @@ def summarize(
                 "markers": markers.get(name, []),
                 "closest": [{"type": t, "similarity": round(float(v), 3)} for t, v in closest],
                 "supported": str(support.get(name, "not tested")),
+                "evidence": str(evidence.get(name, ("not tested", ""))[0]),
+                "reason": str(evidence.get(name, ("", ""))[1]),
             }
         )
     out = {
