@@ -91,8 +91,8 @@ def novel_evidence(names: list[str], sizes: dict[str, int], similarity: dict[str
                    n_labelled: np.ndarray, test: dict[str, Any] | None,
                    n_neighbors: int) -> dict[str, list]:  # fmt: skip
     """Per novel cluster, what the data say about its call (``uns['orca']['novel_evidence']``,
-    column-wise): its size, its closest known type (``similarity``: :meth:`OrcaModel.novel_similarity`)
-    and that type's labelled cells (``n_labelled``, per known type in ``similarity['types']``
+    column-wise): its size, its closest known type (``similarity``:
+    :meth:`OrcaModel.novel_similarity`) and that type's labelled cells (``n_labelled``, per known type in ``similarity['types']``
     order), the novelty test's verdict (``test``: ``uns['orca']['novelty_test']``; ``None``: not
     run) and ``evidence``:
 
@@ -140,8 +140,10 @@ def novel_evidence(names: list[str], sizes: dict[str, int], similarity: dict[str
             evidence, reason = "cannot tell", "; ".join(shortage)
         elif verdict == "not significant":
             evidence = "not confirmed"
-            reason = ("the novelty test does not find its cells more unlike the reference than "
-                      "known-type cells (little power for a type close to a known one)")  # fmt: skip
+            reason = (
+                "the novelty test does not find its cells more unlike the reference than "
+                "known-type cells (little power for a type close to a known one)"
+            )
         else:
             evidence, reason = "not tested", "no novelty test (novelty_folds=0)"
         values = (name, n, closest, round(float(row[best]), 4) if best >= 0 else float("nan"),
@@ -177,7 +179,8 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
     counts = np.bincount(head[~data.labeled], minlength=len(names))
     sizes = {n: int(counts[names.index(n)]) for n in model.novel_names}
     n_labelled = np.bincount(data.labels[data.labeled], minlength=len(data.classes))
-    evidence = novel_evidence(model.novel_names, sizes, model.novel_similarity(), n_labelled,
+    similarity = model.novel_similarity()
+    evidence = novel_evidence(model.novel_names, sizes, similarity, n_labelled,
                               test.record if test is not None else None,
                               cfg.discovery.n_neighbors)  # fmt: skip
     uns = {
@@ -185,7 +188,7 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
         "mode": mode,
         "seen_classes": list(data.classes),
         "novel_cluster_sizes": sizes,
-        "novel_similarity": model.novel_similarity(),
+        "novel_similarity": similarity,
         "merged_into_known": naming.merged,
         "same_novel_type": naming.same,
         "n_novel": {

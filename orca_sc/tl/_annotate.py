@@ -73,9 +73,9 @@ def annotate(
     known type has the same colour in every run on the same reference), ``uns['{key_added}']``:
     ``params``, ``mode``, ``seen_classes``, ``novel_cluster_sizes``, ``novel_similarity``,
     ``merged_into_known``, ``same_novel_type``, ``n_novel``, ``estimate``, ``self_check``,
-    ``confidence``, ``novelty_test``, ``novel_evidence``, ``majority_vote``, ``queries``, ``input_scale``,
-    ``alignment``, ``data``, ``history``, ``training``, ``seed``, ``version`` (see the README's
-    Outputs).
+    ``confidence``, ``novelty_test``, ``novel_evidence``, ``majority_vote``, ``queries``,
+    ``input_scale``, ``alignment``, ``data``, ``history``, ``training``, ``seed``, ``version``
+    (see the README's Outputs).
 
     """
     from .._dist import main_process

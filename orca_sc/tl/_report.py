@@ -219,9 +219,9 @@ class _Page:
             + (f" at α = {alpha}" if alpha is not None else "")
             + ": <i>significant</i> supports a new type; <i>not significant</i> is no evidence "
             "either way (little power for types close to a known one); <i>cannot tell</i>: too "
-            "few labelled cells to calibrate the test. Where the test does not confirm a cluster and the "
-            "cluster is small or its closest known type has few labels, the data cannot support "
-            "the call, and the row says why.</p>"
+            "few labelled cells to calibrate the test. Where the test does not confirm a cluster "
+            "and the cluster is small or its closest known type has few labels, the data cannot "
+            "support the call, and the row says why.</p>"
         )
         out = "<h2>Novel clusters</h2>" + lead
         out += _table(["cluster", "cells", "markers", "closest known types", "novelty test"], rows)

@@ -48,8 +48,8 @@ def summarize(
     ``mean_confidence`` and ``novel`` (one record per novel cluster: ``name``, ``size``,
     ``markers``, ``closest`` as ``[{"type", "similarity"}]``, ``supported``: the novelty test's
     verdict, ``uns['{key_added}']['novelty_test']``; ``evidence`` and ``reason``: whether the
-    data can support the call, ``uns['{key_added}']['novel_evidence']``), and ``self_check`` when the run
-    made one (``annotate(..., self_check=True)``: hidden types, the share of their cells called
+    data can support the call, ``uns['{key_added}']['novel_evidence']``), and ``self_check``
+    when the run made one (``annotate(..., self_check=True)``: hidden types, the share of their cells called
     novel, the share of held-out known-type cells called novel, clusters found).
 
     """
