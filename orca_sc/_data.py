@@ -207,7 +207,7 @@ def prepare(
     )  # fmt: skip
     _check_labels(enc.labels, enc.classes, labels_key)
     n_unlabeled = int((enc.labels < 0).sum())
-    _check_n_novel(config.n_novel, n_unlabeled, config.discovery.min_cluster_cells)
+    _check_n_novel(config.n_novel, n_unlabeled)
     domain_names, domain = np.unique(enc.batches.astype(str), return_inverse=True)
     X, hv, input_scale = read_selected(enc.inputs, domain, domain_names, config, comm)
     X.sort_indices()
@@ -493,10 +493,10 @@ def _check_labels(labels: np.ndarray, classes: list[str], labels_key: str) -> No
         )
 
 
-def _check_n_novel(n_novel: int | str, n_unlabeled: int, min_cells: int) -> None:
+def _check_n_novel(n_novel: int | str, n_unlabeled: int, min_cells: int = 5) -> None:
     """Refuse more novel types than unlabelled cells (each head would be allocated anyway: a
     billion heads is a MemoryError after the warm-up); warn when there are fewer than
-    ``min_cells`` (the smallest novel cluster discovery reports) cells per novel type.
+    ``min_cells`` cells per novel type (a head of so few cells is rarely anchored).
     """
     if n_novel == "auto":
         return

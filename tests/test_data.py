@@ -429,8 +429,6 @@ def test_every_config_field_is_validated(field, value):
         ("resolution_grid", (0.5, -1)),
         ("fallback_resolution", 0),
         ("calibration_cells", 0),
-        ("min_cluster_cells", 0),
-        ("min_cluster_fraction", -0.1),
         ("n_neighbors", 1),
         ("n_pcs", 1),
         ("max_cells", 0),
@@ -462,6 +460,12 @@ def test_discovery_config_round_trips_and_refuses_unknown_keys():
         OrcaConfig.from_dict({**cfg.to_dict(), "resolution": 0.3})
     with pytest.raises(TypeError, match="hidden_novel"):
         orca_sc.DiscoveryConfig(hidden_novel=True)
+    # a model file of 0.2.0 has the options of the removed minimum cluster size: they are dropped
+    old = cfg.to_dict()
+    old["discovery"] |= {"min_cluster_cells": 5, "min_cluster_fraction": 0.005}
+    assert OrcaConfig.from_dict(old) == cfg
+    with pytest.raises(TypeError, match="min_cluster_cells"):
+        orca_sc.DiscoveryConfig(min_cluster_cells=5)
     with pytest.raises(ValueError, match="Unknown configuration keys"):
         orca_sc.DiscoveryConfig.from_dict({"bogus": 1})
 
@@ -486,9 +490,7 @@ def test_query_ood_clusters_votes_per_cluster():
     ood = rng.random(truth.size) < np.array([rate[t] for t in truth])
     cells = np.arange(truth.size)
     domain = np.zeros(truth.size, dtype=np.int64)
-    groups = query_ood_clusters(
-        ood, cells, domain, lambda idx: emb[idx], min_size=5, resolution=0.2
-    )
+    groups = query_ood_clusters(ood, cells, domain, lambda idx: emb[idx], resolution=0.2)
     found = sorted(pd.Series(truth[g]).mode()[0] for g in groups)
     assert found == ["M", "N"]
     for g in groups:
@@ -496,8 +498,6 @@ def test_query_ood_clusters_votes_per_cluster():
         assert (truth[g] == t).mean() > 0.95 and g.size >= 0.95 * n[t]
     # the enrichment rule: with it off, M (40% flagged) is not a candidate
     only_majority = query_ood_clusters(
-        ood, cells, domain, lambda idx: emb[idx], min_size=5, resolution=0.2, min_enrichment=np.inf
+        ood, cells, domain, lambda idx: emb[idx], resolution=0.2, min_enrichment=np.inf
     )
     assert [pd.Series(truth[g]).mode()[0] for g in only_majority] == ["N"]
-    # clusters below min_size are never candidates
-    assert query_ood_clusters(ood, cells, domain, lambda idx: emb[idx], min_size=500) == []

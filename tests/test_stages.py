@@ -59,9 +59,9 @@ def test_discover_on_arrays_returns_the_documented_fields():
     # n_novel given above the estimate: extra heads start at random directions
     more = _discover_blobs(x, labels, n_novel=4)
     assert more.n_heads == 4 and more.n_novel == 2
-    # every knob of the stage is a DiscoveryConfig field: no cluster is big enough -> none
-    off = _discover_blobs(x, labels, cfg=DiscoveryConfig(min_cluster_cells=1000))
-    assert off.n_novel == 0 and off.diagnostics["min_cluster_size"] == 1000
+    # every knob of the stage is a DiscoveryConfig field: every cell "supported by labels" -> none
+    off = _discover_blobs(x, labels, cfg=DiscoveryConfig(support_fraction=0, support_min=0))
+    assert off.n_novel == 0 and off.diagnostics["n_supported_by_labels"] >= (truth >= 3).sum()
 
 
 def test_discovery_n_neighbors_reaches_every_graph(monkeypatch):

@@ -15,7 +15,7 @@ heads and finds the candidates:
   join the candidates (:func:`label_deserts`) and cells among labelled ones leave them
   (:func:`labelled_support`).
 
-Candidates of at least :func:`min_cluster_size` cells start the novel heads (:mod:`.heads`);
+The candidates start the novel heads (:mod:`.heads`), whose anchors keep only coherent clusters;
 their number is the estimate of ``n_novel``. After training, :mod:`.naming` reports novel clusters
 that are a known type of another batch as that type and gives one name to a novel type found in
 several queries. Without a warm-up, :mod:`.no_warmup` counts Leiden clusters of all cells that
@@ -37,7 +37,6 @@ from .graph import (
     calibrate_resolution,
     knn_graph,
     leiden,
-    min_cluster_size,
     pca_embedding,
     resolve_resolution,
     subsample_rows,
@@ -99,7 +98,6 @@ def discover(
     ev = _label_evidence(lab, domain, pca_cells, cfg, domain_names)
     # batches without any labelled cell (a separate query): candidates are voted per cluster
     query = ~np.isin(domain, np.unique(domain[lab]))
-    min_size = min_cluster_size(int((~lab).sum()), cfg)
     # candidates are cut at the granularity of the labelled types (only where labelled and
     # unlabelled cells share a batch: query batches are voted at cfg.query_resolution)
     resolution, scores = resolve_resolution(
@@ -114,21 +112,21 @@ def discover(
             tau, tau_info = min(tau, ood_cap), {**tau_info, "threshold_probe": ood_cap}
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
-        resolution=resolution, min_size=min_size, seed=seed, exclude=ev.supported | query,
+        resolution=resolution, seed=seed, exclude=ev.supported | query,
         include=ev.desert, n_neighbors=cfg.n_neighbors,
     )  # fmt: skip
-    groups = _query_candidates(maxcos < tau, query, domain, pca_cells, min_size, cfg, seed)
+    groups = _query_candidates(maxcos < tau, query, domain, pca_cells, cfg, seed)
     assign, sizes = _rank_by_size(assign, sizes, groups)
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
-                         min_size, cfg, seed)  # fmt: skip
+                         cfg, seed)  # fmt: skip
     n_seen = seen_similarity.shape[1]
     return Discovery(
         assign=assign, sizes=tuple(sizes), n_novel=len(sizes), prototypes=heads.prototypes,
         prior=heads.prior, anchor_cells=np.flatnonzero(heads.core),
         anchor_heads=n_seen + assign[heads.core], threshold=tau,
         diagnostics=_diagnostics(sizes, ev, domain_names, (resolution, scores), heads, groups,
-                                 min_size, bool(query.any()), tau_info, calib, cfg),
+                                 bool(query.any()), tau_info, calib, cfg),
         notes=tuple(_notes(labels, n_seen, int(calib.sum()), ood_cap, cfg)),
     )  # fmt: skip
 
@@ -150,7 +148,6 @@ __all__ = [
     "leiden",
     "match_known_types",
     "match_novel_across_batches",
-    "min_cluster_size",
     "name_heads",
     "novel_clusters",
     "ood_clusters",

@@ -118,7 +118,7 @@ def _method(resolution: float, has_query: bool, cfg: DiscoveryConfig) -> str:
     return text
 
 
-def _diagnostics(sizes, ev, domain_names, resolution_scores, heads, groups, min_size: int,
+def _diagnostics(sizes, ev, domain_names, resolution_scores, heads, groups,
                  has_query: bool, tau_info: dict, calib: np.ndarray,
                  cfg: DiscoveryConfig) -> dict[str, Any]:  # fmt: skip
     """The JSON-able figures of the stage (``uns['orca']['estimate']``)."""
@@ -133,7 +133,6 @@ def _diagnostics(sizes, ev, domain_names, resolution_scores, heads, groups, min_
         "resolution_ari": dict(zip(map(str, cfg.resolution_grid), scores, strict=False)),
         "n_anchored": int(heads.core.sum()),
         "n_query_clusters": len(groups),
-        "min_cluster_size": min_size,
         "method": _method(resolution, has_query, cfg),
         **tau_info,
         "n_calibration": int(calib.sum()),

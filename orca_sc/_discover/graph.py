@@ -179,10 +179,3 @@ def resolve_resolution(
     if not calibrate:
         return float(cfg.fallback_resolution), []
     return calibrate_resolution(labels, pca_of, seed=seed, cfg=cfg)
-
-
-def min_cluster_size(n_unlabeled: int, cfg: DiscoveryConfig = _DEFAULTS) -> int:
-    """Smallest candidate novel cluster: ``cfg.min_cluster_cells`` cells or
-    ``cfg.min_cluster_fraction`` of the unlabelled cells.
-    """
-    return max(cfg.min_cluster_cells, int(np.ceil(cfg.min_cluster_fraction * n_unlabeled)))

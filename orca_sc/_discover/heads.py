@@ -52,7 +52,7 @@ class _Heads:
     core: np.ndarray  # (n,) bool: cells anchored to their candidate's head
 
 
-def _novel_heads(embedding, seen_similarity, labels, assign, counts_k, pca_cells, min_size,
+def _novel_heads(embedding, seen_similarity, labels, assign, counts_k, pca_cells,
                  cfg: DiscoveryConfig, seed: int) -> _Heads:  # fmt: skip
     """Prototypes (candidate means; random beyond the candidates), the regulariser's prior and
     the anchored core cells of the novel heads; ``counts_k``: (heads, candidates).
@@ -78,9 +78,7 @@ def _novel_heads(embedding, seen_similarity, labels, assign, counts_k, pca_cells
         min_core=cfg.core_min_fraction,
     )  # fmt: skip
     # novel heads without a candidate cluster (n_novel given above the estimate): no evidence of
-    # any mass, so their prior is the detection limit (smallest candidate size), not an average
-    # cluster; otherwise the regulariser fills them with cells of known types
-    empty = counts[n_seen:] == 0
-    if empty.any():
-        counts[n_seen:][empty] = min_size
+    # any mass, so their prior is one cell, not an average cluster; otherwise the regulariser
+    # fills them with cells of known types
+    counts[n_seen:][counts[n_seen:] == 0] = 1
     return _Heads(protos, counts / counts.sum(), core)

@@ -11,9 +11,17 @@ import numpy as np
 
 from .._config import DiscoveryConfig
 from ._stage import Discovery
-from .graph import leiden, min_cluster_size, resolve_resolution
+from .graph import leiden, resolve_resolution
 
 _DEFAULTS = DiscoveryConfig()
+
+
+def _smallest_cluster(n_unlabeled: int) -> int:
+    """Smallest cluster the estimate counts: 5 cells or 0.5% of the unlabelled cells. Without a
+    warm-up no anchors drop small incoherent clusters (after a warm-up they do, and there no size
+    limit is needed), so the count of the expression clusters needs one.
+    """
+    return max(5, int(np.ceil(0.005 * n_unlabeled)))
 
 
 def discover_without_warmup(
@@ -68,7 +76,7 @@ def estimate_n_novel(
         labeled,
         resolution=resolution,
         rel_threshold=cfg.no_warmup_rel_threshold,
-        min_size=min_cluster_size(int((~labeled).sum()), cfg),
+        min_size=_smallest_cluster(int((~labeled).sum())),
         seed=seed,
         n_neighbors=cfg.n_neighbors,
     )
@@ -91,7 +99,7 @@ def novel_clusters(
     """
     clusters = leiden(emb, resolution, seed, n_neighbors=n_neighbors)
     if min_size is None:
-        min_size = min_cluster_size(int((~labeled).sum()))
+        min_size = _smallest_cluster(int((~labeled).sum()))
     frac_all = labeled.mean()
     found = []
     for c in np.unique(clusters):  # loop over clusters, not cells

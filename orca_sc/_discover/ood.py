@@ -110,7 +110,6 @@ def ood_clusters(
     *,
     quantile: float = _DEFAULTS.ood_quantile,
     resolution: float = 1.0,
-    min_size: int = _DEFAULTS.min_cluster_cells,
     seed: int = 0,
     exclude: np.ndarray | None = None,
     include: np.ndarray | None = None,
@@ -121,10 +120,10 @@ def ood_clusters(
 
     An unlabelled cell is out-of-distribution when its highest cosine similarity to a seen-class
     head is below ``threshold`` (default: the ``quantile`` of that similarity over labelled
-    cells; see :func:`ood_threshold`); cells in ``include``
-    (e.g. :func:`label_deserts`) are treated as OOD however well they are scored. The OOD cells
-    are clustered (Leiden on the PCA of their own expression, ``pca_of(idx)``); clusters of at
-    least ``min_size`` cells are the candidates; cells in ``exclude`` (e.g.
+    cells; see :func:`ood_threshold`); cells in ``include`` (e.g. :func:`label_deserts`) are
+    treated as OOD however well they are scored. The OOD cells are clustered (Leiden on the PCA
+    of their own expression, ``pca_of(idx)``) and the clusters are the candidates (the anchors,
+    :func:`cluster_cores`, later drop incoherent ones); cells in ``exclude`` (e.g.
     :func:`labelled_support`) never are. Returns ``(assign, sizes, threshold)`` with
     ``assign[i]`` the candidate index of cell ``i`` (``-1`` outside candidates), largest first.
     """
@@ -136,11 +135,11 @@ def ood_clusters(
         ood &= ~exclude
     ood = np.flatnonzero(ood)
     assign = np.full(maxcos.shape[0], -1, dtype=np.int64)
-    if ood.size < min_size:
+    if ood.size == 0:
         return assign, [], tau
     codes = leiden(pca_of(ood), resolution, seed, n_neighbors=n_neighbors)
     counts = np.bincount(codes)
-    keep = [c for c in np.argsort(-counts, kind="stable") if counts[c] >= min_size]
+    keep = [c for c in np.argsort(-counts, kind="stable") if counts[c] > 0]
     for rank, c in enumerate(keep):
         assign[ood[codes == c]] = rank
     return assign, [int(counts[c]) for c in keep], tau
@@ -152,7 +151,6 @@ def query_ood_clusters(
     domain: np.ndarray,
     pca_of: Callable[[np.ndarray], np.ndarray],
     *,
-    min_size: int,
     min_fraction: float = _DEFAULTS.query_min_fraction,
     min_enrichment: float = _DEFAULTS.query_min_enrichment,
     resolution: float = _DEFAULTS.query_resolution,
@@ -166,33 +164,31 @@ def query_ood_clusters(
     of two types scores a third confidently). Cell by cell, out-of-distribution calls (``ood``)
     are noisy both ways; a cluster of the batch's cells takes a vote. All ``cells`` of each query
     batch are clustered (Leiden on the PCA of that batch's cells, ``pca_of(idx)``), which keeps
-    types apart better than clustering only the out-of-distribution cells; a cluster of at least
-    ``min_size`` cells is a candidate when at least ``min_fraction`` of its cells are
+    types apart better than clustering only the out-of-distribution cells; a cluster is a
+    candidate when at least ``min_fraction`` of its cells are
     out-of-distribution, or ``min_enrichment`` times the batch's overall fraction. Returns the
     index arrays of the candidates' cells.
     """
     found: list[np.ndarray] = []
     for d in np.unique(domain[cells]):  # loop over batches, not cells
         idx = cells[domain[cells] == d]
-        if idx.size < min_size:
-            continue
         codes = leiden(pca_of(idx), resolution, seed, n_neighbors=n_neighbors)
         overall = ood[idx].mean()
         for c in np.unique(codes):
             m = idx[codes == c]
             frac = ood[m].mean()
-            if m.size >= min_size and (frac >= min_fraction or frac >= min_enrichment * overall):
+            if frac >= min_fraction or frac >= min_enrichment * overall:
                 found.append(m)
     return found
 
 
-def _query_candidates(ood, query, domain, pca_cells, min_size: int, cfg: DiscoveryConfig,
+def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryConfig,
                       seed: int) -> list[np.ndarray]:  # fmt: skip
     """Candidates of the batches without labelled cells (none when there are none)."""
     if not query.any():
         return []
     return query_ood_clusters(
-        ood, np.flatnonzero(query), domain, pca_cells, min_size=min_size,
+        ood, np.flatnonzero(query), domain, pca_cells,
         min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
         resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
     )  # fmt: skip
