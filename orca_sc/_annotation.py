@@ -209,6 +209,7 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
         "training": {
             "epochs": fit.plan.n_epochs,
             "steps": int(sum(h["steps"] for h in fit.history)),
+            "phases": training_phases(fit.history, fit.plan, cfg),
             "seconds": t.training,
             "discovery_seconds": t.discovery,
             "novelty_test_seconds": t.novelty,
@@ -218,6 +219,32 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
         "version": __version__,
     }
     return jsonable(uns)
+
+
+def training_phases(history: list[dict], plan: Any, cfg: Any) -> dict[str, dict[str, Any]]:
+    """Per phase of training (``warm-up``, ``open-world``): the steps it ran and its schedule's,
+    why it stopped (``converged`` by the stopping rule, or ``schedule``: every epoch ran), and
+    the last check's figures: share of the sampled cells whose head changed, the loss's fall
+    over the last window and two standard errors of it.
+    """
+    out = {}
+    for name, warm in (("warm-up", True), ("open-world", False)):
+        recs = [h for h in history if bool(h["warmup"]) == warm]
+        if not recs:
+            continue
+        epochs = plan.warmup if warm else plan.n_epochs - plan.warmup
+        last = recs[-1]
+        out[name] = {
+            "steps": int(sum(h["steps"] for h in recs)),
+            "max_steps": int(epochs * plan.steps_per_epoch),
+            "epochs": len(recs),
+            "stopped": str(last.get("stopped", "schedule")),
+            "changed": float(last.get("changed", np.nan)),
+            "loss_fall": float(last.get("loss_fall", np.nan)),
+            "loss_noise": float(last.get("loss_noise", np.nan)),
+            "stop_tolerance": float(cfg.stop_tolerance),
+        }
+    return out
 
 
 def predict_uns(model: Any, labels: np.ndarray, info: dict[str, Any]) -> dict[str, Any]:

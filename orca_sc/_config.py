@@ -225,7 +225,7 @@ class OrcaConfig:
     discovery
         A :class:`DiscoveryConfig`; its fields may also be given to ``annotate`` as keywords.
     epochs
-        Epochs of training (warm-up included); an epoch is one pass over all cells.
+        Epochs of training (warm-up included) at most; an epoch is one pass over all cells.
     batch_size
         Cells per mini-batch.
     lr
@@ -233,7 +233,15 @@ class OrcaConfig:
     weight_decay
         Adam's weight decay.
     min_steps
-        Small data trains for at least this many optimiser steps (epochs are added).
+        The schedule of small data has at least this many optimiser steps (epochs are added).
+    stop_tolerance
+        A phase (warm-up, open-world fit) stops before its epochs are done once fewer than this
+        share of a fixed sample of 2,000 cells changed head since the last check and the loss
+        fell by less than two standard errors; ``0`` trains every epoch (the paper's schedule).
+    stop_check_steps
+        Optimiser steps between two such checks ...
+    stop_min_steps
+        ... and the steps every phase runs before it may stop.
     warmup_epochs
         Supervised-only epochs before the novel heads are added (smaller than ``epochs``).
     anchor_epochs
@@ -293,6 +301,9 @@ class OrcaConfig:
     epochs: int = 20
     batch_size: int = 512
     min_steps: int = 300
+    stop_tolerance: float = 0.01
+    stop_check_steps: int = 25
+    stop_min_steps: int = 100
     warmup_epochs: int = 5
     anchor_epochs: int = 1
     anchor_weight: float = 0.3
@@ -332,10 +343,10 @@ class OrcaConfig:
             _invalid("hidden_dims", self.hidden_dims, "two positive layer sizes")
         if not (_is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
             _invalid("dropout", self.dropout, "a probability in [0, 1)")
-        for name in ("epochs", "batch_size", "min_shared_genes"):
+        for name in ("epochs", "batch_size", "min_shared_genes", "stop_check_steps"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 _invalid(name, getattr(self, name), "a positive integer")
-        for name in ("min_steps", "warmup_epochs", "anchor_epochs"):
+        for name in ("min_steps", "warmup_epochs", "anchor_epochs", "stop_min_steps"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 _invalid(name, getattr(self, name), "a non-negative integer")
         if self.warmup_epochs >= self.epochs:
@@ -344,6 +355,8 @@ class OrcaConfig:
                 self.warmup_epochs,
                 f"smaller than epochs={self.epochs} (the open-world phase follows the warm-up)",
             )
+        if not (_is_number(self.stop_tolerance) and 0 <= self.stop_tolerance <= 1):
+            _invalid("stop_tolerance", self.stop_tolerance, "a share in [0, 1] (0: every epoch)")
         if self.batch_size < 2:
             _invalid("batch_size", self.batch_size, "at least 2 (BatchNorm needs two cells)")
         # Adam steps larger than 1 on unit-scale features only diverge (--lr 1e30 used to fail as

@@ -258,6 +258,109 @@ def schedule(n_cells: int, config: OrcaConfig) -> Schedule:
     return Schedule(steps_per_epoch, n_epochs, warmup, anchor)
 
 
+@dataclass(frozen=True)
+class StopRule:
+    """When a phase of training ends before its schedule (the schedule is the upper bound).
+
+    Every ``every`` optimiser steps the phase is checked on a fixed ``sample`` of cells (rows of
+    the training matrix): it stops at a check, once it has run ``min_steps`` steps, when both
+
+    * the mean loss of the last ``every`` steps fell by less than two standard errors of the
+      difference from the ``every`` steps before (the loss has stopped falling beyond its noise),
+      and
+    * the share of the sampled cells whose head (argmax, in eval mode) changed since the previous
+      check is below ``tolerance``, or has stopped falling: it fell by less than two binomial
+      standard errors of the difference from the check before. Cells between two close types
+      keep changing head at a steady rate however long a phase trains (on noisy data 10% of
+      the cells between warm-up checks); that rate no longer falling is the sign of convergence.
+    """
+
+    sample: np.ndarray
+    tolerance: float
+    every: int
+    min_steps: int
+
+
+#: cells whose heads a stopping check compares (a share of 1% is then 20 cells)
+STOP_SAMPLE = 2000
+
+
+def stop_rule(n_cells: int, config: OrcaConfig) -> StopRule | None:
+    """The :class:`StopRule` of ``config`` (``None`` with ``stop_tolerance=0``: the schedule).
+    The sample is drawn from the config's seed, the same in both phases.
+    """
+    if config.stop_tolerance <= 0:
+        return None
+    rng = np.random.default_rng([config.seed, 0x5709])
+    sample = np.sort(rng.choice(n_cells, size=min(n_cells, STOP_SAMPLE), replace=False))
+    return StopRule(sample, config.stop_tolerance, config.stop_check_steps, config.stop_min_steps)
+
+
+class _Stopping:
+    """The state of :class:`StopRule` over one phase: the per-step losses since the last check,
+    the sampled cells' heads at it, and the last check's figures.
+    """
+
+    def __init__(self, rule: StopRule | None, data: CellMatrix, comm: Comm | None) -> None:
+        self.rule, self.data, self.comm = rule, data, comm
+        self.steps = 0
+        self.losses: list[torch.Tensor] = []
+        self.heads: np.ndarray | None = None
+        self.window: tuple[float, float] | None = None  # mean, standard error of the last window
+        self.changed = float("nan")
+        self.changed_before = float("nan")
+        self.loss_fall = float("nan")
+        self.loss_noise = float("nan")
+
+    def windows(self, batches: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """``batches`` cut where a check falls (every ``rule.every`` steps of the phase)."""
+        if self.rule is None:
+            return [batches]
+        out, start = [], 0
+        while start < len(batches):
+            take = self.rule.every - (self.steps + sum(len(w) for w in out)) % self.rule.every
+            out.append(batches[start : start + take])
+            start += take
+        return out
+
+    def after(self, net: OrcaNet, losses: torch.Tensor) -> bool:
+        """Account for the steps just run (their ``losses``); at a check, whether to stop."""
+        self.steps += losses.numel()
+        if self.rule is None:
+            return False
+        self.losses.append(losses)
+        if self.steps % self.rule.every:
+            return False
+        window = torch.cat(self.losses).double().cpu().numpy()
+        self.losses = []
+        mean = float(window.mean())
+        se = float(window.std(ddof=1) / np.sqrt(window.size)) if window.size > 1 else 0.0
+        probs, _ = infer(net, self.data, self.rule.sample, self.comm)
+        net.train()
+        heads = probs.argmax(axis=1)
+        if self.heads is not None:
+            self.changed_before = self.changed
+            self.changed = float((heads != self.heads).mean())
+        if self.window is not None:
+            self.loss_fall = self.window[0] - mean
+            self.loss_noise = 2.0 * float(np.hypot(self.window[1], se))
+        self.heads, self.window = heads, (mean, se)
+        return (
+            self.steps >= self.rule.min_steps
+            and self.loss_fall < self.loss_noise
+            and (self.changed < self.rule.tolerance or self.heads_settled())
+        )
+
+    def heads_settled(self) -> bool:
+        """Whether the share of sampled cells changing head fell by less than two binomial
+        standard errors of the difference between the last two checks.
+        """
+        p0, p1, n = self.changed_before, self.changed, self.rule.sample.size
+        if not (np.isfinite(p0) and np.isfinite(p1)):
+            return False
+        return p0 - p1 < 2.0 * np.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / n)
+
+
 class TrainRandom:
     """The random streams of one training run, carried from the warm-up to the open-world phase
     so that the two phases together draw exactly as one run would: mini-batch order (numpy),
@@ -313,9 +416,10 @@ def fit_warmup(
     rand: TrainRandom,
     comm: Comm | None = None,
 ) -> tuple[OrcaNet, list[dict]]:
-    """A new :class:`OrcaNet` with one head per seen class, trained for ``plan.warmup`` epochs on
-    the labelled cells with the supervised term alone (the margin follows the unlabelled cells'
-    uncertainty as in the full objective). Returns the net and one history record per epoch.
+    """A new :class:`OrcaNet` with one head per seen class, trained for at most ``plan.warmup``
+    epochs on the labelled cells with the supervised term alone (the margin follows the
+    unlabelled cells' uncertainty as in the full objective), stopped earlier by
+    ``config``'s :class:`StopRule`. Returns the net and one history record per epoch.
     ``comm``: the processes that train it together (see :mod:`orca_sc._dist`).
     """
     with rand.torch_stream():
@@ -338,7 +442,8 @@ def fit_open_world(
 ) -> tuple[OrcaNet, list[dict]]:
     """ORCA's open-world phase (paper Algorithm 1) on all cells: a new net with ``net``'s
     backbone and seen heads plus the novel heads of ``novel``, trained with the full objective
-    for the epochs after the warm-up (the first ``plan.anchor`` of them with the anchor term).
+    for at most the epochs after the warm-up (the first ``plan.anchor`` of them with the anchor
+    term), stopped earlier by ``config``'s :class:`StopRule` (not during the anchor epochs).
     ``pair_features`` ``(n_cells, P)``: a fixed space in which unlabelled cells' pairwise
     partners are also looked for (``config.pair_space``). ``net`` is left as it is.
     """
@@ -397,8 +502,9 @@ class Phase:
 
 
 def _run_epochs(net, data, labels, epochs, plan, config, rand, phase: Phase, comm=None):
-    """Train ``net`` in place over ``epochs`` (epoch numbers of the whole run); one history
-    record per epoch.
+    """Train ``net`` in place over ``epochs`` (epoch numbers of the whole run), or until
+    ``config``'s :class:`StopRule` stops it (the anchor epochs are never cut); one history
+    record per epoch, the last with ``stopped``: ``"converged"`` or ``"schedule"``.
 
     Nothing in a step waits for the device: the batch indices of an epoch go to the device in
     one copy, the loss terms are summed there and read (and checked for NaN) once per epoch.
@@ -413,10 +519,14 @@ def _run_epochs(net, data, labels, epochs, plan, config, rand, phase: Phase, com
     opt = _adam(net, config)
     model = _distributed(net, data.device, comm)
     history: list[dict] = []
+    stopping = _Stopping(stop_rule(data.shape[0], config), data, comm)
+    u_rows = _uncertainty_rows(unl_idx, config.seed)
     bar = epoch_bar(epochs, "ORCA" if phase.full else "ORCA warm-up", config.progress)
+    converged = False
     for epoch in bar:
         t_epoch = time.perf_counter()
-        u = mean_uncertainty(net, data, unl_idx, comm)
+        # the margin follows the unlabelled cells' uncertainty, refreshed every epoch
+        u = mean_uncertainty(net, data, u_rows, comm)
         margin = adaptive_margin(
             config.margin, u, config.lam, config.max_margin, config.fixed_margin
         )
@@ -432,12 +542,45 @@ def _run_epochs(net, data, labels, epochs, plan, config, rand, phase: Phase, com
         ]
         batches = [b for b in batches if b.size >= 2]
         step = _Step(model, opt, data, y_all, margin, phase, anchored, config, rand.pairs, comm)
-        sums = step.epoch(batches)
-        history.append(_record(epoch, sums, len(batches), u, margin, phase.full, anchored))
-        history[-1]["seconds"] = time.perf_counter() - t_epoch
+        sums, n_done = np.zeros(5), 0
+        for window in stopping.windows(batches):
+            window_sums, losses = step.epoch(window)
+            sums, n_done = sums + window_sums * len(window), n_done + len(window)
+            # the anchor epochs are a fixed part of the objective: no stop inside them
+            converged = stopping.after(net, losses) and not anchored
+            if converged:
+                break
+        sums /= max(1, n_done)
+        history.append(_record(epoch, sums, n_done, u, margin, phase.full, anchored))
+        history[-1] |= {"seconds": time.perf_counter() - t_epoch, "changed": stopping.changed,
+                        "loss_fall": stopping.loss_fall, "loss_noise": stopping.loss_noise,
+                        "stopped": ""}  # fmt: skip
         bar.set_postfix(loss=f"{sums[0]:.3f}", u=f"{u:.3f}", refresh=False)
+        if converged:
+            break
     bar.close()
+    if history:
+        history[-1]["stopped"] = "converged" if converged else "schedule"
+    if converged:
+        logger.info(
+            "%s converged after %d steps: %.1f%% of the sampled cells changed head, the loss fell "
+            "%.4f (noise %.4f).", "Open-world fit" if phase.full else "Warm-up", stopping.steps,
+            100 * stopping.changed, stopping.loss_fall, stopping.loss_noise,
+        )  # fmt: skip
     return history
+
+
+#: the margin's mean uncertainty is taken over at most this many unlabelled cells (a fixed
+#: sample): the standard error of a mean of values in [0, 1] is then below 0.005
+UNCERTAINTY_CELLS = 10_000
+
+
+def _uncertainty_rows(unl_idx: np.ndarray, seed: int) -> np.ndarray:
+    """The unlabelled cells whose mean uncertainty sets the margin (all, or a fixed sample)."""
+    if unl_idx.size <= UNCERTAINTY_CELLS:
+        return unl_idx
+    rng = np.random.default_rng([seed, 0x0CE7])
+    return np.sort(rng.choice(unl_idx, size=UNCERTAINTY_CELLS, replace=False))
 
 
 def _distributed(net: OrcaNet, device: torch.device, comm: Comm | None):
@@ -470,13 +613,16 @@ class _Step:
     gen: torch.Generator
     comm: Comm | None
 
-    def epoch(self, batches: list[np.ndarray]) -> np.ndarray:
-        """Train on ``batches`` in order; the mean of each loss term over them (on the host)."""
+    def epoch(self, batches: list[np.ndarray]) -> tuple[np.ndarray, torch.Tensor]:
+        """Train on ``batches`` in order; the mean of each loss term over them (on the host) and
+        the loss of each step (on the device).
+        """
         data, phase = self.data, self.phase
         order = np.concatenate(batches) if batches else np.empty(0, dtype=np.int64)
         order_t = data.to_device(order)  # one copy per epoch
         bounds = np.cumsum([0] + [b.size for b in batches])
         sums = torch.zeros(5, device=data.device)
+        losses = []
         for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             idx = order_t[lo:hi]
             shard = None
@@ -496,7 +642,9 @@ class _Step:
             parts[0].backward()
             self.opt.step()
             sums += torch.stack([p.detach() for p in parts])
-        return sums.cpu().numpy() / max(1, len(batches))
+            losses.append(parts[0].detach())
+        loss_t = torch.stack(losses) if losses else torch.zeros(0, device=data.device)
+        return sums.cpu().numpy() / max(1, len(batches)), loss_t
 
 
 def _record(epoch, sums, n_done, u, margin, full, anchored) -> dict:

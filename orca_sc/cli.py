@@ -626,9 +626,20 @@ def _csv_list(value: str | None, cast=str) -> list | None:
 )
 @click.option(
     "--scaling-sizes",
-    default="10000,30000,100000,300000",
+    default="2000,10000,100000",
     show_default=True,
-    help="Cells for the scaling runs.",
+    help="Cells for the scaling runs (in memory; ORCA with defaults and CellTypist).",
+)
+@click.option(
+    "--scaling-disk-sizes",
+    default="",
+    help="Cells for scaling runs read from disk (ORCA alone; e.g. 1000000). The simulated file "
+    "is written once to the data cache and kept.",
+)
+@click.option(
+    "--scaling-only",
+    is_flag=True,
+    help="Run the scaling section alone (no tasks, no baselines); writes scaling.md, .csv, .png.",
 )
 @click.option(
     "--scaling-library-size",
@@ -647,7 +658,8 @@ def _csv_list(value: str | None, cast=str) -> list | None:
 @click.pass_context
 def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, reference_batches,
               seen_fraction, labeled_fraction, seen_classes, novel_classes, methods, seeds, ablation_seeds, suite,
-              scaling, scaling_sizes, scaling_library_size, quick, overwrite, quiet):  # fmt: skip
+              scaling, scaling_sizes, scaling_disk_sizes, scaling_only, scaling_library_size, quick,
+              overwrite, quiet):  # fmt: skip
     """Compare ORCA, its ablations and baselines on open-world tasks; write a report.
 
     Built-in tasks: the paper's protocol on scanpy's pbmc68k_reduced, plus the shared real
@@ -671,7 +683,7 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
         seed_list = _csv_list(seeds, int)
         if not seed_list:
             raise CliError("--seeds must list at least one seed, e.g. --seeds 0,1,2.")
-        out = _benchmark_outdir(outdir, overwrite)
+        out = _benchmark_outdir(outdir, overwrite, "scaling.md" if scaling_only else "report.md")
         if data_dir is not None and not Path(data_dir).is_dir():
             raise CliError(f"--data-dir {data_dir!r} is not a directory.")
         default_methods = B.SUITE_METHODS if suite == "dev" else B.DEFAULT_METHODS
@@ -682,9 +694,21 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
         if unknown:
             raise CliError(f"unknown --method {unknown}; available: {', '.join(B.METHODS)}.")
         sizes = _csv_list(scaling_sizes, int)
+        disk_sizes = _csv_list(scaling_disk_sizes, int)
         if quick:
             seed_list = seed_list[:1]
-            sizes = [1000, 2000]
+            sizes, disk_sizes = [1000, 2000], []
+        if scaling_only:
+            if not (sizes or disk_sizes):
+                raise CliError("--scaling-only needs --scaling-sizes or --scaling-disk-sizes.")
+            sc = B.run_scaling(
+                sizes, n_genes=500 if quick else 2000, progress=not quiet,
+                library_size=scaling_library_size, disk_sizes=disk_sizes,
+            )  # fmt: skip
+            paths = _write_benchmark(None, out, False, scaling=sc)
+            click.echo((out / "scaling.md").read_text())
+            click.echo(f"Wrote {out}/: " + ", ".join(sorted(p.name for p in paths.values())))
+            return
         if h5ad is not None:
             split = {"batch_key": batch_key, "reference_batches": reference_batches,
                      "novel_classes": novel_classes, "seen_fraction": seen_fraction,
@@ -696,10 +720,10 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
         result = B.run_benchmark(
             specs, method_list, seed_list, ablation_seeds=abl_list, progress=not quiet
         )
-        if scaling and sizes:
+        if scaling and (sizes or disk_sizes):
             result.scaling = B.run_scaling(
                 sizes, n_genes=500 if quick else 2000, progress=not quiet,
-                library_size=scaling_library_size,
+                library_size=scaling_library_size, disk_sizes=disk_sizes,
             )  # fmt: skip
         paths = _write_benchmark(result, out, suite == "dev")
 
@@ -707,12 +731,12 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
     click.echo(f"Wrote {out}/: " + ", ".join(sorted(p.name for p in paths.values())))
 
 
-def _benchmark_outdir(outdir: str, overwrite: bool) -> Path:
-    """The report folder, checked before any work."""
+def _benchmark_outdir(outdir: str, overwrite: bool, report: str = "report.md") -> Path:
+    """The report folder, checked before any work (``report``: the file a run writes)."""
     out = Path(outdir)
     if out.exists() and not out.is_dir():
         raise CliError(f"--outdir {outdir!r} exists and is not a directory.")
-    if out.is_dir() and (out / "report.md").exists() and not overwrite:
+    if out.is_dir() and (out / report).exists() and not overwrite:
         raise CliError(
             f"{outdir!r} already holds a report; pass --overwrite or choose another --outdir."
         )
@@ -778,8 +802,10 @@ def _builtin_specs(suite: str, data_dir: str | None, quick: bool, tasks: tuple[s
     return specs
 
 
-def _write_benchmark(result, out: Path, dev: bool) -> dict:
-    """The report files, written into a temporary folder beside ``out`` and moved in."""
+def _write_benchmark(result, out: Path, dev: bool, scaling=None) -> dict:
+    """The report files, written into a temporary folder beside ``out`` and moved in
+    (``result`` ``None`` and a ``scaling`` table: the scaling section alone).
+    """
     import shutil
     import tempfile
 
@@ -787,7 +813,7 @@ def _write_benchmark(result, out: Path, dev: bool) -> dict:
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.resolve().parent))
     try:
-        paths = B.write_report(result, tmp)
+        paths = B.write_report(result, tmp) if result is not None else B.write_scaling(scaling, tmp)
         if dev:
             paths["suite"] = tmp / "suite.md"
             paths["suite"].write_text(B.suite_markdown(result.runs, result.settings))

@@ -296,3 +296,37 @@ def test_the_dev_suite_holds_the_hard_corners_of_the_real_data():
     assert none.novel == [] and none.query.n_obs > 500
     tiny = specs["tiny_pbmc"].make(1)
     assert pd.Series(tiny.truth).value_counts().max() <= 15
+
+
+def test_scaling_only_times_orca_with_defaults_against_celltypist(tmp_path):
+    out = tmp_path / "scale"
+    r = CliRunner().invoke(main, ["benchmark", "--quick", "--scaling-only", "--outdir", str(out),
+                                  "-q"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["scaling.csv", "scaling.md", "scaling.png"]
+    sc = pd.read_csv(out / "scaling.csv")
+    o = sc[sc["method"] == "ORCA"].set_index("n_cells")
+    assert list(o.index) == [1000, 2000] and (o["storage"] == "memory").all()
+    # a real run with the defaults: every phase ran within its schedule and says why it stopped
+    for c in ("warmup", "open_world"):
+        assert (o[f"{c}_steps"] <= o[f"{c}_max_steps"]).all()
+        assert o[f"{c}_stopped"].isin(["converged", "schedule"]).all()
+    assert (o["steps"] == o["warmup_steps"] + o["open_world_steps"]).all()
+    assert (o["seconds"] > o["training_seconds"]).all() and o["all_accuracy"].between(0, 1).all()
+    assert len(sc[sc["method"] != "ORCA"]) == 2  # CellTypist (or its model family) beside
+    md = (out / "scaling.md").read_text()
+    assert "× CellTypist" in md and "| ORCA | 2,000 | memory |" in md
+    again = CliRunner().invoke(main, ["benchmark", "--quick", "--scaling-only", "--outdir",
+                                      str(out), "-q"])  # fmt: skip
+    assert again.exit_code == 2 and "already holds a report" in again.stderr
+
+
+def test_scaling_from_disk_writes_the_simulation_once(tmp_path):
+    sc = B.run_scaling((), n_genes=300, disk_sizes=(1500,), workdir=tmp_path, progress=False)
+    files = list(tmp_path.glob("*.h5ad"))
+    assert len(files) == 1 and not list(tmp_path.glob("*.partial*"))
+    assert list(sc["storage"]) == ["disk"] and list(sc["method"]) == ["ORCA"]
+    assert sc["steps"].iloc[0] > 0 and sc["all_accuracy"].iloc[0] > 0.5
+    mtime = files[0].stat().st_mtime_ns
+    B.run_scaling((), n_genes=300, disk_sizes=(1500,), workdir=tmp_path, progress=False)
+    assert files[0].stat().st_mtime_ns == mtime  # read again, not rewritten

@@ -11,7 +11,7 @@ from ._methods import (
     MethodUnavailable,
     annotate_task,
 )
-from ._report import markdown, write_report
+from ._report import markdown, write_report, write_scaling
 from ._run import BenchmarkResult, PeakMemory, run_benchmark, score, summarize_runs
 from ._scaling import (
     epoch_speed,
@@ -65,4 +65,5 @@ __all__ = [
     "simulated_open_world",
     "summarize_runs",
     "write_report",
+    "write_scaling",
 ]

@@ -218,8 +218,10 @@ def _warm_up() -> None:
     from sklearn.linear_model import LogisticRegression
 
     X = a.X.toarray()[:, :20]
-    KMeans(2, n_init=1, random_state=0).fit(X)
-    LogisticRegression(max_iter=50).fit(X, a.obs["cell_type"].astype(str))
+    with warnings.catch_warnings():  # a short fit on purpose: it need not converge
+        warnings.simplefilter("ignore")
+        KMeans(2, n_init=1, random_state=0).fit(X)
+        LogisticRegression(max_iter=50).fit(X, a.obs["cell_type"].astype(str))
 
 
 def summarize_runs(runs: pd.DataFrame) -> pd.DataFrame:

@@ -1,0 +1,73 @@
+"""What the stopping rule sees: every check of every phase of training on development-suite
+tasks, run to the end of the schedule (nothing stops), so that tolerances can be compared.
+
+Usage: ``python benchmarks/stop_trace.py [--only NAME ...] [--seeds 0] [--out reports/stop_trace.csv]``
+
+For each check: the task, seed, phase, step, the share of the sampled cells whose head changed
+since the last check, the loss's fall over the last window and two standard errors of it. Then,
+per candidate tolerance, the step at which each phase would have stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+import pandas as pd
+
+import orca_sc._train as train
+from orca_sc.benchmark import annotate_task, dev_suite
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--out", type=Path, default=Path("reports/stop_trace.csv"))
+    args = ap.parse_args()
+    rows: list[dict] = []
+    context: dict = {}
+    after = train._Stopping.after
+
+    def traced(self, net, losses):
+        verdict = after(self, net, losses)
+        if self.rule is not None and self.steps % self.rule.every == 0:
+            kind = "open-world" if net.n_heads > context["n_seen"] else "warm-up"
+            if not hasattr(self, "trace_n"):  # the phases of a run, numbered as they start
+                self.trace_n = context["phases"] = context["phases"] + 1
+            n = self.trace_n
+            rows.append({**{k: v for k, v in context.items() if k != "phases"}, "phase": f"{n}:{kind}", "step": self.steps, "changed": self.changed,
+                         "loss_fall": self.loss_fall, "loss_noise": self.loss_noise,
+                         "would_stop": verdict})  # fmt: skip
+        return False  # run the whole schedule
+
+    train._Stopping.after = traced
+    data = args.data if args.data.is_dir() else None
+    for spec in dev_suite(data, large=False, only=args.only):
+        for seed in args.seeds:
+            task = spec.make(seed)
+            context.update(task=spec.name, seed=seed, n_seen=len(task.seen), phases=0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                annotate_task(task, seed, stop_min_steps=0)
+            print(spec.name, seed, len(rows), flush=True)
+    trace = pd.DataFrame(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    trace.to_csv(args.out, index=False)
+    summary = []
+    for tol in (0.005, 0.01, 0.02, 0.05):
+        for (t, s, ph), g in trace.groupby(["task", "seed", "phase"], sort=False):
+            ok = (g.changed < tol) & (g.loss_fall < g.loss_noise) & (g.step >= 100)
+            stop = int(g.step[ok].iloc[0]) if ok.any() else int(g.step.max())
+            summary.append({"tolerance": tol, "task": t, "seed": s, "phase": ph, "stop": stop,
+                            "max": int(g.step.max())})  # fmt: skip
+    print(pd.DataFrame(summary).pivot_table(index=["task", "phase"], columns="tolerance",
+                                            values="stop").round(0).to_string())  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
