@@ -151,8 +151,9 @@ class ChunkReader:
 
 class MemoryReader:
     """A matrix held in memory read as :class:`ChunkReader` reads one on disk: checked and its
-    value scale detected once on the whole matrix, normalised once, then given out in chunks
-    of ``CHUNK_CELLS`` cells (slices of the normalised matrix), as often as it is iterated.
+    value scale detected once on the whole matrix, then given out in chunks of ``CHUNK_CELLS``
+    cells, each normalised as it is given out (a normalised copy of the whole matrix would
+    double its memory: 100,000 cells at 43% non-zeros peaked 0.6 GiB above the budget).
     """
 
     on_disk = False
@@ -163,8 +164,8 @@ class MemoryReader:
         self.n_empty = 0
         if self.scale == "counts":
             self.n_empty = int((np.diff(X.indptr) == 0).sum())
-            X = log_normalize(X, target_sum, warn=False)
         self.X = X
+        self.target_sum = target_sum
         self.nnz = X.nnz
         self.n_obs = X.shape[0]
 
@@ -172,7 +173,10 @@ class MemoryReader:
         """``(start, stop, chunk)``, as :meth:`ChunkReader.__iter__`."""
         for start in range(0, self.n_obs, CHUNK_CELLS):
             stop = min(self.n_obs, start + CHUNK_CELLS)
-            yield start, stop, self.X[start:stop]
+            m = self.X[start:stop]
+            if self.scale == "counts":
+                m = log_normalize(m, self.target_sum, warn=False)
+            yield start, stop, m
 
 
 def open_matrix(
@@ -277,7 +281,7 @@ def log_normalize(X: sp.csr_matrix, target_sum: float, warn: bool = True) -> sp.
         warn_empty(n_empty)
     factors = np.divide(target_sum, totals, out=np.zeros_like(totals), where=totals > 0)
     Y = sp.csr_matrix(X, dtype=np.float32, copy=True)
-    Y.data *= np.repeat(factors, np.diff(Y.indptr)).astype(np.float32)
+    Y.data *= np.repeat(factors.astype(np.float32), np.diff(Y.indptr))
     np.log1p(Y.data, out=Y.data)
     return Y
 

@@ -16,15 +16,17 @@ import scipy.sparse as sp
 logger = logging.getLogger(__name__)
 
 
-def fill_csr(blocks, n_rows: int, n_cols: int, nnz: int) -> sp.csr_matrix:
+def fill_csr(blocks, n_rows: int, n_cols: int, nnz: int, scratch: bool = True) -> sp.csr_matrix:
     """The CSR matrix of the row ``blocks`` (in order; ``nnz`` stored values in all), written
     into arrays allocated once at their final size instead of joined at the end (which held the
-    matrix twice). The arrays live in a scratch file, memory-mapped (:func:`scratch_array`):
-    the system keeps in memory what room allows, so the selected matrix need not fit in it.
+    matrix twice). With ``scratch`` the arrays live in a scratch file, memory-mapped
+    (:func:`scratch_array`): the system keeps in memory what room allows, so the selected
+    matrix need not fit in it; without, in memory.
     """
     idx = index_dtype(nnz, n_rows, n_cols)
-    data = scratch_array(nnz, np.float32)
-    indices = scratch_array(nnz, idx)
+    alloc = scratch_array if scratch else np.empty
+    data = alloc(nnz, np.float32)
+    indices = alloc(nnz, idx)
     indptr = np.zeros(n_rows + 1, dtype=idx)
     row = pos = 0
     for b in blocks:
