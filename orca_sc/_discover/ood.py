@@ -135,7 +135,7 @@ def ood_clusters(
         ood &= ~exclude
     ood = np.flatnonzero(ood)
     assign = np.full(maxcos.shape[0], -1, dtype=np.int64)
-    if ood.size == 0:
+    if ood.size < 2:  # one cell is not clustered (no PCA, no neighbours): no candidate
         return assign, [], tau
     codes = leiden(pca_of(ood), resolution, seed, n_neighbors=n_neighbors)
     counts = np.bincount(codes)
@@ -172,6 +172,8 @@ def query_ood_clusters(
     found: list[np.ndarray] = []
     for d in np.unique(domain[cells]):  # loop over batches, not cells
         idx = cells[domain[cells] == d]
+        if idx.size < 2:  # a batch of one cell is not clustered
+            continue
         codes = leiden(pca_of(idx), resolution, seed, n_neighbors=n_neighbors)
         overall = ood[idx].mean()
         for c in np.unique(codes):
