@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from _cli import write_report
 
 #: metric, worse direction (-1: a drop is worse, +1: a rise is worse), allowed change
 CHECKS = [
@@ -76,10 +77,7 @@ def main() -> None:
         tot = a[["warmup_steps", "open_world_steps"]].sum().sum()
         cap = a[["warmup_max_steps", "open_world_max_steps"]].sum().sum()
         lines += ["", f"Steps run: {tot:.0f} of the schedules' {cap:.0f} ({tot / cap:.0%})."]
-    md = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(md)
-    print(md)
+    write_report(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,25 +10,17 @@ per candidate tolerance, the step at which each phase would have stopped.
 
 from __future__ import annotations
 
-import argparse
 import warnings
-from pathlib import Path
 
 import pandas as pd
+from _cli import task_parser
 
 import orca_sc._train as train
 from orca_sc.benchmark import annotate_task, dev_suite
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--out", type=Path, default=Path("reports/stop_trace.csv"))
-    args = ap.parse_args()
+    args = task_parser(__doc__, "reports/stop_trace.csv").parse_args()
     rows: list[dict] = []
     context: dict = {}
     after = train._Stopping.after
