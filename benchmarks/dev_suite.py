@@ -23,7 +23,13 @@ import torch
 from _overrides import config_overrides
 
 import orca_sc
-from orca_sc.benchmark import annotate_task, dev_suite, score, suite_markdown
+from orca_sc.benchmark import (
+    annotate_task,
+    dev_suite,
+    score,
+    suite_markdown,
+    training_columns,
+)
 from orca_sc.benchmark._methods import confidence_figures, novelty_test_shares
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -67,7 +73,7 @@ def main() -> None:
                 **confidence_figures(q, sl, task),
                 **_per_cell_columns(q, sl, task),
                 **_evidence_columns(q, sl, task),
-                **_training_columns(q),
+                **training_columns(q.uns["orca"]),
             }
             rows.append(row)
             print(
@@ -124,20 +130,6 @@ def _evidence_columns(q, rows, task) -> dict:
         out[f"ev_{col}_false"] += int(novel[members].mean() < 0.5) if members.any() else 0
         out[f"ev_{col}_cells"] += int(members.sum())
         out[f"ev_{col}_novel_cells"] += int(novel[members].sum())
-    return out
-
-
-def _training_columns(q) -> dict:
-    """Steps each phase of training ran, of its schedule's, and why it stopped
-    (``uns['orca']['training']['phases']``).
-    """
-    phases = q.uns["orca"]["training"].get("phases", {})
-    out = {}
-    for name, col in (("warm-up", "warmup"), ("open-world", "open_world")):
-        ph = phases.get(name)
-        if ph is not None:
-            out |= {f"{col}_steps": int(ph["steps"]), f"{col}_max_steps": int(ph["max_steps"]),
-                    f"{col}_stopped": str(ph["stopped"])}  # fmt: skip
     return out
 
 

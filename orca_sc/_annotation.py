@@ -92,8 +92,8 @@ def novel_evidence(names: list[str], sizes: dict[str, int], similarity: dict[str
                    n_neighbors: int) -> dict[str, list]:  # fmt: skip
     """Per novel cluster, what the data say about its call (``uns['orca']['novel_evidence']``,
     column-wise): its size, its closest known type (``similarity``:
-    :meth:`OrcaModel.novel_similarity`) and that type's labelled cells (``n_labelled``, per known type in ``similarity['types']``
-    order), the novelty test's verdict (``test``: ``uns['orca']['novelty_test']``; ``None``: not
+    :meth:`OrcaModel.novel_similarity`) and that type's labelled cells (``n_labelled``, per
+    known type in ``similarity['types']`` order), the novelty test's verdict (``test``: ``uns['orca']['novelty_test']``; ``None``: not
     run) and ``evidence``:
 
     * ``"supported"``: the novelty test finds its cells unlike the reference (a stated error rate);

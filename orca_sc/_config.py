@@ -235,9 +235,10 @@ class OrcaConfig:
     min_steps
         The schedule of small data has at least this many optimiser steps (epochs are added).
     stop_tolerance
-        A phase (warm-up, open-world fit) stops before its epochs are done once fewer than this
-        share of a fixed sample of 2,000 cells changed head since the last check and the loss
-        fell by less than two standard errors; ``0`` trains every epoch (the paper's schedule).
+        A phase (warm-up, open-world fit) stops before its epochs are done once the loss fell by
+        less than two standard errors and the share of a fixed sample of 2,000 cells that changed
+        head since the last check is below this, or no longer falling (two binomial standard
+        errors); ``0`` trains every epoch (the paper's schedule).
     stop_check_steps
         Optimiser steps between two such checks ...
     stop_min_steps

@@ -316,11 +316,11 @@ class _Stopping:
         """``batches`` cut where a check falls (every ``rule.every`` steps of the phase)."""
         if self.rule is None:
             return [batches]
-        out, start = [], 0
+        out, start, done = [], 0, self.steps
         while start < len(batches):
-            take = self.rule.every - (self.steps + sum(len(w) for w in out)) % self.rule.every
+            take = self.rule.every - done % self.rule.every
             out.append(batches[start : start + take])
-            start += take
+            start, done = start + take, done + take
         return out
 
     def after(self, net: OrcaNet, losses: torch.Tensor) -> bool:
@@ -506,8 +506,9 @@ def _run_epochs(net, data, labels, epochs, plan, config, rand, phase: Phase, com
     ``config``'s :class:`StopRule` stops it (the anchor epochs are never cut); one history
     record per epoch, the last with ``stopped``: ``"converged"`` or ``"schedule"``.
 
-    Nothing in a step waits for the device: the batch indices of an epoch go to the device in
-    one copy, the loss terms are summed there and read (and checked for NaN) once per epoch.
+    Nothing in a step waits for the device: the batch indices of an epoch (of each stretch
+    between two checks of the stopping rule) go to the device in one copy, the loss terms are
+    summed there and read once per stretch (and checked for NaN once per epoch).
 
     With several processes (``comm``), every rank draws the same mini-batches and runs the
     forward pass on its part of each (:class:`orca_sc._dist.BatchShard`); the loss is taken on
@@ -619,7 +620,7 @@ class _Step:
         """
         data, phase = self.data, self.phase
         order = np.concatenate(batches) if batches else np.empty(0, dtype=np.int64)
-        order_t = data.to_device(order)  # one copy per epoch
+        order_t = data.to_device(order)  # one copy per call
         bounds = np.cumsum([0] + [b.size for b in batches])
         sums = torch.zeros(5, device=data.device)
         losses = []

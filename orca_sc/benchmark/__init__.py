@@ -19,6 +19,7 @@ from ._scaling import (
     matmul_gflops,
     run_scaling,
     simulated_open_world,
+    training_columns,
 )
 from ._splits import Task, batch_split, protocol_split
 from ._suite import (
@@ -54,6 +55,7 @@ __all__ = [
     "sim_settings",
     "suite_markdown",
     "suite_table",
+    "training_columns",
     "epoch_speed",
     "flops_per_cell_epoch",
     "markdown",

@@ -68,7 +68,7 @@ def markdown(result: BenchmarkResult) -> str:
         lines.append("")
     lines += _findings(s, result.runs)
     if result.scaling is not None and not result.scaling.empty:
-        lines += ["## Scaling (simulated counts, 2,000 genes)", "", _scaling_table(result.scaling)]
+        lines += [SCALING_HEADING, "", _scaling_table(result.scaling)]
     lines += ["", "## Methods", ""]
     lines += [
         f"- **{name}** ({METHODS[name].family}): {METHODS[name].description}"
@@ -118,6 +118,9 @@ def _findings(s: pd.DataFrame, runs: pd.DataFrame | None = None) -> list[str]:
     return [*out, ""]
 
 
+SCALING_HEADING = "## Scaling (simulated counts, 2,000 genes)"
+
+
 def _scaling_table(sc: pd.DataFrame) -> str:
     """One row per method and size: wall time, ORCA's time over CellTypist's on the same data,
     ORCA's training steps per phase (of the schedule's, and why the phase stopped), memory.
@@ -159,8 +162,7 @@ def write_scaling(sc: pd.DataFrame, outdir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"scaling_md": out / "scaling.md", "scaling": out / "scaling.csv",
              "scaling_plot": out / "scaling.png"}  # fmt: skip
-    head = "## Scaling (simulated counts, 2,000 genes)\n\n"
-    paths["scaling_md"].write_text(head + _scaling_table(sc))
+    paths["scaling_md"].write_text(f"{SCALING_HEADING}\n\n{_scaling_table(sc)}")
     sc.to_csv(paths["scaling"], index=False)
     plot_scaling(sc, paths["scaling_plot"])
     return paths

@@ -108,7 +108,6 @@ def _orca_point(a, lab, seed: int) -> dict:
         total = time.perf_counter() - t0
     speed = epoch_speed(a, lab)
     t = a.uns["orca"]["training"]
-    phases = t.get("phases", {})
     rep = metrics.report(a, "cell_type")
     out = {
         "seconds": total,
@@ -128,11 +127,20 @@ def _orca_point(a, lab, seed: int) -> dict:
         "novel_accuracy": rep["novel_accuracy"],
         "all_accuracy": rep["all_accuracy"],
     }
+    return out | training_columns(a.uns["orca"])
+
+
+def training_columns(uns: dict) -> dict:
+    """Steps each phase of training ran (``warmup_steps``, ``open_world_steps``), its schedule's
+    (``*_max_steps``) and why it stopped (``*_stopped``), from ``uns['orca']['training']``.
+    """
+    phases = uns["training"].get("phases", {})
+    out = {}
     for name, col in (("warm-up", "warmup"), ("open-world", "open_world")):
         if name in phases:
             ph = phases[name]
-            out |= {f"{col}_steps": ph["steps"], f"{col}_max_steps": ph["max_steps"],
-                    f"{col}_stopped": ph["stopped"]}  # fmt: skip
+            out |= {f"{col}_steps": int(ph["steps"]), f"{col}_max_steps": int(ph["max_steps"]),
+                    f"{col}_stopped": str(ph["stopped"])}  # fmt: skip
     return out
 
 
