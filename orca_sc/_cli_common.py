@@ -158,9 +158,11 @@ def cli_logging(quiet: bool, silent: bool = False):
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    old_level = logger.level
+    old_level, old_propagate = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.ERROR if silent else logging.WARNING if quiet else logging.INFO)
+    # once: a library that configures the root logger (CellTypist does) would print it again
+    logger.propagate = False
 
     def show(message, category, filename, lineno, file=None, line=None):
         click.echo(f"Warning: {' '.join(str(message).split())}", err=True)
@@ -176,6 +178,7 @@ def cli_logging(quiet: bool, silent: bool = False):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+        logger.propagate = old_propagate
 
 
 def read_h5ad(path: str, what: str, on_disk: bool = False):

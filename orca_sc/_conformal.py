@@ -43,17 +43,6 @@ def fold_ids(labels: np.ndarray, n_folds: int, seed: int = 0) -> np.ndarray:
     return folds
 
 
-def knn_distance(reference: np.ndarray, cells: np.ndarray, k: int = SCORE_NEIGHBORS) -> np.ndarray:
-    """Mean cosine distance of each row of ``cells`` to its ``k`` nearest rows of ``reference``
-    (both L2-normalised, so the Euclidean neighbours are the cosine ones).
-    """
-    from sklearn.neighbors import NearestNeighbors
-
-    k = int(min(k, reference.shape[0]))
-    dist = NearestNeighbors(n_neighbors=k).fit(reference).kneighbors(cells)[0]
-    return (dist.astype(np.float64) ** 2 / 2).mean(axis=1)  # |a - b|^2 / 2 = 1 - cos
-
-
 class CrossConformal:
     """Accumulates the cross-conformal counts fold by fold (:meth:`add`), then gives p-values
     (:meth:`pvalues`): the nets need not be kept.

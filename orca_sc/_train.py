@@ -209,9 +209,10 @@ class CellMatrix:
         if self.has_scale:
             m.data = m.data * self.scale_np[np.repeat(d, np.diff(m.indptr)), m.indices]
         member = np.eye(self.offset_np.shape[0], dtype=np.float32)[d]
+        # the transpose serves the weight gradient alone: inference (no grad) goes without
         return SparseRows(
             _csr_tensor(m),
-            _csr_tensor(m.T.tocsr()),
+            _csr_tensor(m.T.tocsr()) if torch.is_grad_enabled() else None,
             torch.from_numpy(member),
             self.offset if self.has_offset else None,
         )
@@ -753,3 +754,29 @@ def infer(
         probs[lo : lo + chunk.size] = F.softmax(logits, dim=1).cpu().numpy()
         embs[lo : lo + chunk.size] = F.normalize(z, dim=1).cpu().numpy()
     return probs, embs
+
+
+#: cosines computed at once by :func:`knn_mean_distance` (16 MiB of float32: on 2 CPU threads
+#: 75,000 cells against 2,000 took 0.33 s in blocks of 16 MiB, 0.46 s in blocks of 256 MiB)
+KNN_BLOCK_VALUES = 1 << 22
+
+
+@torch.no_grad()
+def knn_mean_distance(
+    reference: np.ndarray, cells: np.ndarray, k: int, device: torch.device
+) -> np.ndarray:
+    """Mean cosine distance ``(n,)`` of each row of ``cells`` to its ``k`` nearest rows of
+    ``reference`` (both L2-normalised, ``(m, D)`` and ``(n, D)``): the nonconformity score of
+    :mod:`orca_sc._conformal`, found exactly as blocks of cosines and their top ``k`` on
+    ``device`` (on 2 CPU threads a third of the time of scikit-learn's brute-force search at
+    2,000 x 75,000 cells, as fast at 10,000; on a GPU a few milliseconds).
+    """
+    k = int(min(k, reference.shape[0]))
+    ref = torch.as_tensor(reference, dtype=torch.float32, device=device)
+    out = torch.empty(cells.shape[0], dtype=torch.float64, device=device)
+    step = max(1, KNN_BLOCK_VALUES // max(1, ref.shape[0]))
+    for lo in range(0, cells.shape[0], step):
+        block = torch.as_tensor(cells[lo : lo + step], dtype=torch.float32, device=device)
+        top = (block @ ref.T).topk(k, dim=1).values
+        out[lo : lo + step] = (1.0 - top).mean(dim=1)
+    return out.cpu().numpy()

@@ -22,13 +22,14 @@ _EPS = 1e-7
 @dataclass(frozen=True)
 class SparseRows:
     """A mini-batch for the first layer as sparse matrices: ``x`` ``(B, G)`` CSR with the
-    per-batch scale applied, its transpose ``xt`` ``(G, B)`` for the weight gradient, each
-    cell's batch one-hot ``member`` ``(B, n_batches)`` and the per-batch offsets ``offset``
-    ``(n_batches, G)`` added to every row (``None``: no offset).
+    per-batch scale applied, its transpose ``xt`` ``(G, B)`` for the weight gradient (``None``
+    where no gradient is taken: inference), each cell's batch one-hot ``member``
+    ``(B, n_batches)`` and the per-batch offsets ``offset`` ``(n_batches, G)`` added to every
+    row (``None``: no offset).
     """
 
     x: torch.Tensor
-    xt: torch.Tensor
+    xt: torch.Tensor | None
     member: torch.Tensor
     offset: torch.Tensor | None
 

@@ -58,6 +58,32 @@ def test_cross_conformal_pvalues_keep_their_level_under_exchangeability():
     assert np.median(cc.pvalues()) < 0.02
 
 
+def test_knn_score_is_the_exact_mean_distance_to_the_nearest_reference_cells():
+    """The score found as blocks of cosines and their top k (blocks smaller than the query, so
+    that several are joined) is scikit-learn's exact brute-force neighbours' mean cosine distance;
+    k is capped at the number of reference cells.
+    """
+    import torch
+    from sklearn.neighbors import NearestNeighbors
+
+    from orca_sc import _train
+
+    rng = np.random.default_rng(0)
+    ref, cells = (rng.standard_normal((n, 16)).astype(np.float32) for n in (300, 1000))
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    cells /= np.linalg.norm(cells, axis=1, keepdims=True)
+    dist = NearestNeighbors(n_neighbors=10).fit(ref).kneighbors(cells)[0]
+    expected = (dist.astype(np.float64) ** 2 / 2).mean(axis=1)  # |a - b|^2 / 2 = 1 - cos
+    cpu = torch.device("cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_train, "KNN_BLOCK_VALUES", 300 * 128)  # blocks of 128 cells
+        np.testing.assert_allclose(
+            _train.knn_mean_distance(ref, cells, 10, cpu), expected, atol=1e-6
+        )
+    few = _train.knn_mean_distance(ref[:3], cells, 10, cpu)
+    np.testing.assert_allclose(few, 1 - (cells @ ref[:3].T).mean(axis=1), atol=1e-6)
+
+
 def test_cluster_support_verdicts():
     rng = np.random.default_rng(0)
     p = np.concatenate([rng.random(300), rng.random(60) * 0.04, rng.random(60)])

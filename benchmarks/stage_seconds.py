@@ -1,0 +1,136 @@
+"""Where the seconds of an annotation go, stage by stage, on the path a CLI user takes: the
+imports, reading a reference and a query ``.h5ad``, gene selection and alignment, the warm-up,
+discovery, the open-world fit, inference, the novelty test (cross-fitted warm-ups, their
+inference and kNN scores), naming and calibration, and writing the annotated query.
+
+Usage: ``python benchmarks/stage_seconds.py [--cells 2000] [--repeats 3] [--out reports/stage_seconds.md]``
+
+The data are :func:`orca_sc.benchmark.simulated_open_world` (10 types, 2,000 genes, 6%
+non-zeros; the labelled quarter of the cells is the reference, the rest the query). Each stage
+is timed by wrapping the function that runs it; the figures are the median over ``--repeats``
+runs after one unrecorded run (the first pays for torch's lazy initialisation). The margin's
+refresh (``mean_uncertainty``) is timed on its own and also counts inside the phase that
+calls it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+from _cli import write_report
+
+#: (module, function, stage); indented stages are part of the stage above them
+STAGES = [
+    ("orca_sc._pipeline", "prepare", "gene selection, checks, selected matrix (prepare)"),
+    ("orca_sc._pipeline", "compute_transform", "batch alignment"),
+    ("orca_sc._pipeline", "warm_up", "warm-up"),
+    ("orca_sc._pipeline", "find_candidates", "discovery"),
+    ("orca_sc._pipeline", "open_world", "open-world fit"),
+    ("orca_sc._pipeline", "cross_fit", "novelty test and confidence (cross-fit)"),
+    ("orca_sc._pipeline", "_side_warmup", "  its warm-ups"),
+    ("orca_sc._pipeline", "_count_fold", "  its kNN scores"),
+    ("orca_sc._pipeline", "infer", "inference (every call)"),
+    ("orca_sc._train", "mean_uncertainty", "margin refresh (inside the phases)"),
+    ("orca_sc._model", "fit_run", "the whole pipeline (fit)"),
+]
+
+
+def import_seconds() -> float:
+    """Seconds to import what an annotation loads, in a fresh interpreter, less its start."""
+    code = "import orca_sc.cli, torch, anndata, sklearn.neighbors, sklearn.decomposition, igraph"
+
+    def run(c: str) -> float:
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", c], check=True)
+        return time.perf_counter() - t
+
+    return float(np.median([run(code) - run("pass") for _ in range(3)]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--cells", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("reports/stage_seconds.md"))
+    args = ap.parse_args()
+    imports = import_seconds()
+
+    import importlib
+
+    import anndata as ad
+    import torch
+
+    import orca_sc
+    from orca_sc.benchmark import simulated_open_world
+
+    acc: dict[str, float] = collections.defaultdict(float)
+    for module, name, key in STAGES:
+        mod = importlib.import_module(module)
+        f = getattr(mod, name)
+
+        def timed(*a, _f=f, _key=key, **k):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                acc[_key] += time.perf_counter() - t
+
+        setattr(mod, name, functools.wraps(f)(timed))
+
+    warnings.simplefilter("ignore")
+    a, lab = simulated_open_world(args.cells, 2000, args.seed, library_size=150.0)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_path, query_path, out_path = (Path(tmp) / f for f in ("ref.h5ad", "q.h5ad", "o.h5ad"))
+        a[lab].copy().write_h5ad(ref_path)
+        q = a[~lab].copy()
+        del q.obs["lab"]
+        q.write_h5ad(query_path)
+        for rep in range(args.repeats + 1):
+            acc.clear()
+            t0 = time.perf_counter()
+            ref, query = ad.read_h5ad(ref_path), ad.read_h5ad(query_path)
+            t1 = time.perf_counter()
+            orca_sc.tl.annotate(query, ref, labels_key="lab", progress=False)
+            t2 = time.perf_counter()
+            query.write_h5ad(out_path)
+            t3 = time.perf_counter()
+            fit = acc["the whole pipeline (fit)"]
+            stages = {key: acc[key] for _, _, key in STAGES}  # in the table's order
+            row = {"reading the two .h5ad files": t1 - t0, **stages,
+                   "naming, calibration, obs and uns": t2 - t1 - fit,
+                   "writing the annotated query": t3 - t2, "total": t3 - t0}  # fmt: skip
+            phases = query.uns["orca"]["training"]["phases"]
+            if rep:
+                runs.append(row)
+    keys = list(runs[0])
+    med = {k: float(np.median([r[k] for r in runs])) for k in keys}
+    total = med["total"] + imports
+    lines = [
+        f"Stages of `orca-sc annotate` on {int(lab.sum()):,} reference + {int((~lab).sum()):,} "
+        f"query cells (simulated, 2,000 genes; median of {args.repeats} runs, "
+        f"{torch.get_num_threads()} torch threads):",
+        "",
+        "| stage | seconds | share of the total |",
+        "|---|---|---|",
+        f"| imports (fresh interpreter) | {imports:.2f} | {imports / total:.0%} |",
+    ]
+    lines += [f"| {k} | {med[k]:.2f} | {med[k] / total:.0%} |" for k in keys if k != "total"]
+    lines += [f"| total, imports included | {total:.2f} | 100% |", ""]
+    lines += [f"- {name}: {p['steps']} of {p['max_steps']} steps ({p['stopped']})"
+              for name, p in phases.items()]  # fmt: skip
+    write_report(args.out, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
