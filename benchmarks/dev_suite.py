@@ -3,7 +3,7 @@
 ``orca-sc benchmark --suite dev`` runs the same tasks with the baselines.
 
 Usage: ``python benchmarks/dev_suite.py [--data DIR] [--seeds 0 1 2] [--task-seed N]
-[--only NAME ...] [--no-large] [--set key=value ...] [--out reports/dev_suite.csv]``
+[--only NAME ...] [--no-large] [--large] [--set key=value ...] [--out reports/dev_suite.csv]``
 
 ``--task-seed N`` draws every task's split (labelled cells, hidden types, subsamples) with seed
 ``N`` and varies only the model's seed: the same data, another seed.
@@ -42,12 +42,15 @@ def main() -> None:
     ap.add_argument("--task-seed", type=int, default=None, help="one split for every seed")
     ap.add_argument("--only", nargs="*", default=None, help="tasks whose name contains one")
     ap.add_argument("--no-large", action="store_true", help="skip the 50,000-cell query")
+    ap.add_argument("--large", action="store_true",
+                    help="the large tier too: the scale task at 50,000 and 100,000 cells and "
+                         "the real tasks grown to ~50,000 cells")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], help="config overrides, key=value")
     ap.add_argument("--out", type=Path, default=Path("reports/dev_suite.csv"))
     args = ap.parse_args()
     overrides = config_overrides(args.set)
     data = args.data if args.data.is_dir() else None
-    specs = dev_suite(data, large=not args.no_large, only=args.only)
+    specs = dev_suite(data, large=not args.no_large, only=args.only, scale=args.large)
     rows = []
     for spec in specs:
         for seed in args.seeds:
@@ -65,6 +68,8 @@ def main() -> None:
                 "n_query": task.query.n_obs,
                 "novel_true": len(task.novel),
                 "novel_est": q.uns["orca"]["n_novel"]["estimated"],
+                "threshold": q.uns["orca"]["estimate"].get("threshold"),
+                **_size_check_columns(q.uns["orca"]["estimate"].get("size_check")),
                 **score(task.truth, pred, task.seen, True),
                 "seconds": time.perf_counter() - t0,
                 "error": "",
@@ -131,6 +136,14 @@ def _evidence_columns(q, rows, task) -> dict:
         out[f"ev_{col}_cells"] += int(members.sum())
         out[f"ev_{col}_novel_cells"] += int(novel[members].sum())
     return out
+
+
+def _size_check_columns(check: dict | None) -> dict:
+    """Discovery repeated on a sample of large data (``estimate['size_check']``)."""
+    if not check:
+        return {}
+    return {"size_check_sample_candidates": check["sample_candidates"],
+            "size_check_agrees": bool(check["agrees"])}  # fmt: skip
 
 
 def _self_check_columns(check: dict | None) -> dict:

@@ -34,6 +34,7 @@ from ._discover import (
     probe_threshold,
     self_check_report,
     self_check_split,
+    size_check,
     subsample_rows,
 )
 from ._dist import Comm, init_from_env, rank_device
@@ -200,6 +201,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
         run, warm.net, warm.held, ood_cap=warm.ood_cap, warmed_up=run.plan.warmup > 0,
         ensemble=ensemble,
     )  # fmt: skip
+    cand = check_size(run, warm.held, cand)
     t2 = time.perf_counter()
     ow = open_world(run, warm, cand)
     t3 = time.perf_counter()
@@ -324,6 +326,44 @@ def find_candidates(
         )
     )  # fmt: skip
     return Candidates(found, rows, best)
+
+
+def check_size(run: RunContext, held: np.ndarray, cand: Candidates) -> Candidates:
+    """``cand`` with :func:`orca_sc._discover.size_check`'s record (and note where they
+    disagree): on data of more than twice its sample, the warm-up and discovery are run again
+    on a random sample of the cells alone (:func:`sample_discovery`), as on data of that size.
+    The run's own nets, random streams and labels are not touched.
+    """
+    if run.plan.warmup == 0:
+        return cand
+    found = run.comm.on_main(
+        lambda: size_check(
+            cand.found,
+            run.data.n_cells,
+            partial(sample_discovery, run, held),
+            seed=run.config.seed + 5,
+        )  # fmt: skip
+    )
+    return Candidates(found, cand.rows, cand.max_cosine)
+
+
+def sample_discovery(run: RunContext, held: np.ndarray, sample: np.ndarray) -> Discovery:
+    """The warm-up and discovery of a run on the cells ``sample`` (rows of the training matrix)
+    alone: their own schedule, random streams and PCA, the labels less the ``held`` cells (one
+    process; no progress bar).
+    """
+    data, cfg, t = run.data, run.config.replace(progress=False), run.transform
+    cells = CellMatrix(data.X[sample], data.domain[sample], t.scale, t.offset, run.cells.device)
+    labels = np.where(held, -1, data.labels)[sample]
+    rand = TrainRandom(cfg.seed + 400, cells.device)
+    net, _ = fit_warmup(cells, labels, run.n_seen, cfg, schedule(sample.size, cfg), rand)
+    emb, similarity = seen_similarity(net, cells, np.arange(sample.size))
+    dc = cfg.discovery
+    return discover(
+        emb, similarity, labels, data.domain[sample], lambda idx: run.pca(dc.n_pcs, sample[idx]),
+        calibration=held[sample], n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed,
+        domain_names=[*data.domain_names, "self-check"],
+    )  # fmt: skip
 
 
 def open_world(run: RunContext, warm: WarmUp, cand: Candidates) -> OpenWorldFit:

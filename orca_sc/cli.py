@@ -620,6 +620,13 @@ def _csv_list(value: str | None, cast=str) -> list | None:
     "reported in suite.md with the seed spread and the worst task per goal.",
 )
 @click.option(
+    "--large",
+    is_flag=True,
+    help="With --suite dev: the large tier too (the scale task at 50,000 and 100,000 cells, the "
+    "real count-data tasks grown to ~50,000 cells); run it for every change of discovery or "
+    "training length.",
+)
+@click.option(
     "--scaling/--no-scaling",
     default=None,
     help="Also measure time and memory vs cells (default: with --suite builtin).",
@@ -658,7 +665,7 @@ def _csv_list(value: str | None, cast=str) -> list | None:
 @click.pass_context
 def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, reference_batches,
               seen_fraction, labeled_fraction, seen_classes, novel_classes, methods, seeds, ablation_seeds, suite,
-              scaling, scaling_sizes, scaling_disk_sizes, scaling_only, scaling_library_size, quick,
+              large, scaling, scaling_sizes, scaling_disk_sizes, scaling_only, scaling_library_size, quick,
               overwrite, quiet):  # fmt: skip
     """Compare ORCA, its ablations and baselines on open-world tasks; write a report.
 
@@ -715,7 +722,11 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
                      "labeled_fraction": labeled_fraction, "seen_classes": seen_classes}  # fmt: skip
             specs = [_h5ad_task(h5ad, labels_key, split)]
         else:
-            specs = _builtin_specs(suite, data_dir, quick, tasks)
+            if large and suite != "dev":
+                raise CliError(
+                    "--large adds the development suite's large tier: use it with --suite dev."
+                )
+            specs = _builtin_specs(suite, data_dir, quick, tasks, large)
         abl_list = _csv_list(ablation_seeds, int) or seed_list
         result = B.run_benchmark(
             specs, method_list, seed_list, ablation_seeds=abl_list, progress=not quiet
@@ -780,12 +791,16 @@ def _h5ad_task(h5ad: str, labels_key: str | None, split: dict):
     return B.TaskSpec(f"{name}_protocol", "protocol", make, h5ad)
 
 
-def _builtin_specs(suite: str, data_dir: str | None, quick: bool, tasks: tuple[str, ...]):
-    """The built-in tasks (or the development suite), those named by ``--task`` only."""
+def _builtin_specs(
+    suite: str, data_dir: str | None, quick: bool, tasks: tuple[str, ...], large: bool = False
+):
+    """The built-in tasks (or the development suite, with its large tier where ``large``),
+    those named by ``--task`` only.
+    """
     from . import benchmark as B
 
     if suite == "dev":
-        specs = B.dev_suite(data_dir, large=not quick)
+        specs = B.dev_suite(data_dir, large=not quick, scale=large)
     else:
         specs = B.builtin_tasks(None if quick else data_dir)
     if quick:

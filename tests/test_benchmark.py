@@ -204,6 +204,58 @@ def test_dev_suite_cli_reports_novel_calls_and_estimates(tmp_path):
     assert "## Number of novel types (ORCA, every run)" in md and md in r.stdout
 
 
+def test_scale_task_changes_only_the_number_of_cells():
+    """The scale task: the same simulated setting at every size (only the cells change), its
+    large sizes in the large tier only, at two depths.
+    """
+    small = {s.name: s for s in B.scale_settings()}
+    large = {s.name: s for s in B.scale_settings(large=True)}
+    assert set(small) == {"scale5k_sparse", "scale20k_sparse", "scale5k_dense", "scale20k_dense"}
+    assert set(large) - set(small) == {"scale50k_sparse", "scale100k_sparse", "scale50k_dense",
+                                       "scale100k_dense"}  # fmt: skip
+    a, b = large["scale5k_sparse"], large["scale100k_sparse"]
+    differ = {f for f in a.__dataclass_fields__ if getattr(a, f) != getattr(b, f)}
+    assert differ == {"name", "n_ref", "n_query"}
+    assert b.n_ref / (b.n_ref + b.n_query) == a.n_ref / (a.n_ref + a.n_query) == 0.25
+    t = B.make_sim_task(small["scale5k_sparse"], seed=0)
+    assert 4500 < t.reference.n_obs + t.query.n_obs < 5500 and len(t.novel) == 10
+    density = t.query.X.nnz / np.prod(t.query.shape)
+    dense = B.make_sim_task(small["scale5k_dense"], seed=0).query
+    assert 0.08 < density < 0.2 and 0.35 < dense.X.nnz / np.prod(dense.shape) < 0.55
+    names = {s.name for s in B.dev_suite(None)}
+    assert "sim_scale20k_dense" in names and "sim_scale100k_dense" not in names
+    assert "sim_scale100k_dense" in {s.name for s in B.dev_suite(None, scale=True)}
+
+
+def test_grow_task_redraws_every_cell_with_fresh_noise(sim):
+    """Each cell drawn ``factor`` times by binomial thinning: counts keep about ``keep`` of the
+    original, draws differ from each other, labels and truth follow their cell, and the source
+    task is left as it was.
+    """
+    t = B.batch_split(sim, "cell_type", "batch", ["batch_0"], novel_classes=["type_5"])
+    before = t.reference.X.copy()
+    g = B.grow_task(t, 3 * (t.reference.n_obs + t.query.n_obs), keep=0.8, seed=0)
+    n_ref = t.reference.n_obs
+    assert g.reference.n_obs == 3 * n_ref and g.query.n_obs == 3 * t.query.n_obs
+    assert (t.reference.X != before).nnz == 0  # the source is untouched
+    X = g.reference.X
+    total = X.sum(dtype=np.float64) / (3 * before.sum(dtype=np.float64))
+    assert 0.78 < total < 0.82
+    assert np.all(X.data == np.round(X.data)) and X.data.min() > 0
+    draws = [X[k * n_ref : (k + 1) * n_ref] for k in range(3)]
+    assert (draws[0] != draws[1]).nnz > 0
+    # no draw has more of a gene than its cell had (so none of a gene it did not express)
+    assert (draws[2] > before).nnz == 0
+    labels = g.reference.obs["cell_type"].astype(str).to_numpy()
+    np.testing.assert_array_equal(labels[2 * n_ref :], t.reference.obs["cell_type"].astype(str))
+    np.testing.assert_array_equal(g.truth[: t.query.n_obs], t.truth)
+    assert g.seen == t.seen and g.novel == t.novel and g.name.endswith("_x3")
+    logged = t.reference.copy()
+    logged.X = np.log1p(logged.X)
+    with pytest.raises(OrcaInputError, match="raw counts"):
+        B.grow_task(B.Task("x", logged, t.query, "cell_type", t.seen, False), 1000)
+
+
 # ------------------------------------------------------------------ the suite's hard corners
 @pytest.fixture(scope="module")
 def nested():

@@ -64,6 +64,34 @@ def test_discover_on_arrays_returns_the_documented_fields():
     assert off.n_novel == 0 and off.diagnostics["n_supported_by_labels"] >= (truth >= 3).sum()
 
 
+def test_size_check_repeats_discovery_on_a_sample_and_says_where_they_disagree():
+    """Large data: discovery repeated on a random sample of the cells; the record says what
+    each found, and a note says when none was found on all the cells but some on the sample.
+    """
+    from orca_sc._discover import size_check
+
+    x, truth, labels = _blobs(n_per=100)
+
+    def on(sub):
+        return _discover_blobs(x[sub], labels[sub])
+
+    found = _discover_blobs(x, labels)
+    assert size_check(found, truth.size, on, sample_cells=truth.size // 2) is found  # too small
+    same = size_check(found, truth.size, on, sample_cells=200)
+    rec = same.diagnostics["size_check"]
+    assert rec["sample_cells"] == 200 and rec["candidates"] == rec["sample_candidates"] == 2
+    assert rec["agrees"] and same.notes == found.notes and same.n_novel == found.n_novel
+    np.testing.assert_array_equal(same.assign, found.assign)  # labels are not touched
+    # all the cells find nothing (every cell supported by labels), the sample finds the two types
+    none = _discover_blobs(x, labels, cfg=DiscoveryConfig(support_fraction=0, support_min=0))
+    told = size_check(none, truth.size, on, sample_cells=200)
+    assert not told.diagnostics["size_check"]["agrees"] and told.n_novel == 0
+    assert len(told.notes) == len(none.notes) + 1
+    assert "found 0 candidate novel cluster(s) among 500 cells, but 2 when" in told.notes[-1]
+    assert "'no novel type' is not supported" in told.notes[-1]
+    assert told.record()["notes"][-1] == told.notes[-1]
+
+
 def test_discovery_n_neighbors_reaches_every_graph(monkeypatch):
     """``DiscoveryConfig.n_neighbors`` sets the kNN graph of every Leiden clustering of the
     stage (out-of-distribution cells, query clusters, resolution calibration), not only
@@ -109,6 +137,27 @@ def test_trainer_runs_on_arrays_and_knows_nothing_of_tl():
     assert net.n_heads == 2 and net2.n_heads == 4  # the warm-up net is not modified
     assert [h["epoch"] for h in hist2] == [3, 4, 5, 6] and hist2[0]["anchored"]
     assert all(h["pairwise"] > 0 for h in hist2)
+
+
+def test_size_check_of_a_run_leaves_its_labels_alone(small_sim, monkeypatch):
+    """With the check's sample below half the cells, a run records what discovery found on the
+    sample (``estimate['size_check']``) and labels every cell as the run without it does; the
+    summary carries discovery's notes.
+    """
+    import orca_sc._discover.scale as sc_mod
+
+    plain = small_sim.copy()
+    orca_sc.tl.annotate(plain, labels_key="lab", seed=0, **FAST, **LABELS_ONLY)
+    assert "size_check" not in plain.uns["orca"]["estimate"]  # 500 cells: no check
+    monkeypatch.setattr(sc_mod, "SAMPLE_CELLS", 150)
+    checked = small_sim.copy()
+    orca_sc.tl.annotate(checked, labels_key="lab", seed=0, **FAST, **LABELS_ONLY)
+    rec = checked.uns["orca"]["estimate"]["size_check"]
+    assert rec["n_cells"] == 500 and rec["sample_cells"] == 150
+    assert rec["candidates"] == checked.uns["orca"]["estimate"]["n_novel"]
+    np.testing.assert_array_equal(plain.obs["orca_label"], checked.obs["orca_label"])
+    summary = orca_sc.tl.summarize(checked, n_markers=0)
+    assert summary["notes"] == list(checked.uns["orca"]["estimate"]["notes"])
 
 
 def test_explicit_keyword_wins_over_config(small_sim):

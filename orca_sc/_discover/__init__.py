@@ -19,7 +19,9 @@ The candidates start the novel heads (:mod:`.heads`), whose anchors keep only co
 their number is the estimate of ``n_novel``. After training, :mod:`.naming` reports novel clusters
 that are a known type of another batch as that type and gives one name to a novel type found in
 several queries. Without a warm-up, :mod:`.no_warmup` counts Leiden clusters of all cells that
-lack labels. :mod:`.self_check` hides known types to see how the rules do.
+lack labels. :mod:`.self_check` hides known types to see how the rules do; :mod:`.scale`
+repeats discovery on a sample of large data and says where the call depends on the number of
+cells.
 
 Leiden runs directly on igraph (exact kNN graph from scikit-learn), on at most
 ``DiscoveryConfig.max_cells`` cells.
@@ -61,6 +63,7 @@ from .ood import (
     probe_threshold,
     query_ood_clusters,
 )
+from .scale import size_check
 from .self_check import SelfCheckSplit, self_check_report, self_check_split, youden_threshold
 
 _DEFAULTS = DiscoveryConfig()
@@ -159,6 +162,7 @@ __all__ = [
     "segregated_batches",
     "self_check_report",
     "self_check_split",
+    "size_check",
     "subsample_rows",
     "youden_threshold",
 ]

@@ -21,12 +21,14 @@ from ._scaling import (
     simulated_open_world,
     training_columns,
 )
-from ._splits import Task, batch_split, protocol_split
+from ._splits import Task, batch_split, grow_task, protocol_split
 from ._suite import (
     SimSetting,
     dev_suite,
     estimate_accuracy,
+    grown_tasks,
     make_sim_task,
+    scale_settings,
     sim_settings,
     suite_markdown,
     suite_table,
@@ -47,11 +49,14 @@ __all__ = [
     "TaskSpec",
     "annotate_task",
     "batch_split",
+    "grow_task",
+    "grown_tasks",
     "builtin_tasks",
     "dev_suite",
     "estimate_accuracy",
     "make_sim_task",
     "reversed_tasks",
+    "scale_settings",
     "sim_settings",
     "suite_markdown",
     "suite_table",

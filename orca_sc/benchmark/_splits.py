@@ -129,3 +129,51 @@ def batch_split(
     query.obs[TRUTH] = truth[~in_ref_batch].to_numpy()
     query.obs[labels_key] = np.nan
     return Task(name, ref, query, labels_key, seen, single=False, seed=seed)
+
+
+def grow_task(task: Task, n_cells: int, *, keep: float = 0.8, seed: int = 0) -> Task:
+    """``task`` with every cell drawn ``round(n_cells / cells)`` times (at least once) by binomial
+    thinning of its counts (each count kept with probability ``keep``): the same biology carried
+    by more cells, each draw with fresh sampling noise, as an atlas holds it. Reference and query
+    grow by the same factor; labels, truth and batches are copied to every draw.
+
+    Needs raw counts (non-negative integers): thinning log-normalised values means nothing.
+    """
+    n0 = task.reference.n_obs + task.query.n_obs
+    factor = max(1, int(round(n_cells / n0)))
+    rng = np.random.default_rng([seed, 0x6A0])
+    return Task(
+        f"{task.name}_x{factor}", _redraw(task.reference, factor, keep, rng),
+        _redraw(task.query, factor, keep, rng), task.labels_key, task.seen, task.single,
+        task.seed, {**task.info, "grown": {"factor": factor, "keep": keep}},
+    )  # fmt: skip
+
+
+def _redraw(adata: Any, factor: int, keep: float, rng: np.random.Generator) -> Any:
+    """``factor`` binomially thinned draws of every cell of ``adata`` (CSR, draw by draw)."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    X = sp.csr_matrix(adata.X)
+    data = X.data
+    if data.size and (data.min() < 0 or not np.all(np.equal(np.mod(data, 1), 0))):
+        raise OrcaInputError(
+            "grow_task needs raw counts (non-negative integers); this task's X holds other "
+            "values (log-normalised?)."
+        )
+    counts = data.astype(np.int64)
+    draws = []
+    for _ in range(factor):  # loop over draws, not cells
+        d = sp.csr_matrix(
+            (rng.binomial(counts, keep).astype(np.float32), X.indices.copy(), X.indptr.copy()),
+            shape=X.shape,
+        )
+        d.eliminate_zeros()  # in place: hence the copies of X's index arrays
+        draws.append(d)
+    obs = pd.concat([adata.obs] * factor)
+    obs.index = [f"{c}-{k}" for k in range(factor) for c in adata.obs_names]
+    for col in adata.obs.columns:  # keep categoricals with their categories
+        if isinstance(adata.obs[col].dtype, pd.CategoricalDtype):
+            obs[col] = pd.Categorical(obs[col].astype(object),
+                                      categories=adata.obs[col].cat.categories)  # fmt: skip
+    return ad.AnnData(sp.vstack(draws, format="csr"), obs=obs, var=adata.var.copy())

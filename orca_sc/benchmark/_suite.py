@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ._splits import Task, batch_split, protocol_split
+from ._splits import Task, batch_split, grow_task, protocol_split
 from ._tasks import TaskSpec, builtin_tasks, reversed_tasks
 
 
@@ -57,6 +57,7 @@ class SimSetting:
     imbalance: float = 5.0
     n_genes: int = 1000
     n_nested: int = 0
+    library_size: float = 3000.0
 
     def describe(self) -> str:
         base = SimSetting("base")
@@ -88,7 +89,7 @@ def make_sim_task(setting: SimSetting, seed: int) -> Task:
     if s.design == "protocol":
         a = simulate(
             s.n_ref + s.n_query, s.n_genes, n_types, imbalance=s.imbalance,
-            subtype_of=subtype_of, seed=seed,
+            subtype_of=subtype_of, library_size=s.library_size, seed=seed,
         )  # fmt: skip
         return protocol_split(
             a, "cell_type", seen_classes=seen, labeled_fraction=s.labelled_fraction, seed=seed,
@@ -104,6 +105,7 @@ def make_sim_task(setting: SimSetting, seed: int) -> Task:
         imbalance=s.imbalance,
         batch_weights=[n_ref_batch, s.n_query],
         subtype_of=subtype_of,
+        library_size=s.library_size,
         seed=seed,
     )
     return batch_split(
@@ -142,20 +144,85 @@ def sim_settings(large: bool = True) -> list[SimSetting]:
     return out
 
 
+#: library sizes of the scale task: ~13% and ~47% non-zeros over 2,000 genes (droplet-like and
+#: plate-like depth)
+SCALE_DEPTHS = {"sparse": 300.0, "dense": 3000.0}
+#: the scale task's sizes (cells in reference + query); from 50,000 on in the large tier
+SCALE_SIZES = (5_000, 20_000, 50_000, 100_000)
+#: real count-data tasks grown to about this many cells in the large tier (:func:`grow_task`)
+GROWN_CELLS = 50_000
+
+
+def scale_settings(large: bool = False) -> list[SimSetting]:
+    """One simulated setting at every size of :data:`SCALE_SIZES` (below 50,000 cells unless
+    ``large``) and both depths of :data:`SCALE_DEPTHS`: 20 types, 10 of them novel, a quarter of
+    the cells in a reference of the seen types, 2,000 genes, no batch effect. Only the number of
+    cells changes between sizes, so a rule whose decision moves with it shows here.
+    """
+    return [
+        SimSetting(
+            f"scale{n // 1000}k_{depth}",
+            n_ref=n // 4,
+            n_query=n - n // 4,
+            n_seen=10,
+            n_novel=10,
+            batch_strength=0.0,
+            n_genes=2000,
+            library_size=lib,
+        )
+        for depth, lib in SCALE_DEPTHS.items()
+        for n in SCALE_SIZES
+        if large or n < 50_000
+    ]
+
+
+def grown_tasks(data_dir: str | Path | None, n_cells: int = GROWN_CELLS) -> list[TaskSpec]:
+    """The real count-data tasks (Baron both ways, Tabula Muris both ways, the MCA and worm
+    protocols) with every cell redrawn to about ``n_cells`` cells in all
+    (:func:`orca_sc.benchmark._splits.grow_task`), named ``grown_<task>``.
+    """
+    counts = ("baron_", "tm_", "mca_", "worm_")
+    specs = [s for s in builtin_tasks(data_dir) + reversed_tasks(data_dir)
+             if s.name.startswith(counts)]  # fmt: skip
+    return [
+        TaskSpec(
+            f"grown_{s.name}",
+            s.kind,
+            partial(_grown, s.make, n_cells),
+            f"{s.description}; every cell redrawn to ~{n_cells:,} cells",
+        )
+        for s in specs
+    ]
+
+
+def _grown(make, n_cells: int, seed: int) -> Task:
+    return grow_task(make(seed), n_cells, seed=seed)
+
+
 def dev_suite(
-    data_dir: str | Path | None, *, large: bool = True, only: Sequence[str] | None = None
+    data_dir: str | Path | None,
+    *,
+    large: bool = True,
+    only: Sequence[str] | None = None,
+    scale: bool = False,
 ) -> list[TaskSpec]:
     """Every task of the development suite whose data is here (the simulations always are):
-    the real tasks both ways, their hard corners (:func:`orca_sc.benchmark._hard.hard_tasks`)
-    and the simulator sweep; with ``only``, the tasks whose name contains one of its strings.
+    the real tasks both ways, their hard corners (:func:`orca_sc.benchmark._hard.hard_tasks`),
+    the simulator sweep and the scale task below 50,000 cells; ``large=False`` leaves out the
+    50,000-cell query of the sweep. ``scale``: the large tier, run for every change of
+    discovery or of training length: the scale task at 50,000 and 100,000 cells and the real
+    tasks grown to ~50,000 cells (:func:`grown_tasks`). With ``only``, the tasks whose name
+    contains one of its strings.
     """
     from ._hard import hard_tasks
 
     specs = builtin_tasks(data_dir) + reversed_tasks(data_dir) + hard_tasks(data_dir)
     specs += [
         TaskSpec(f"sim_{s.name}", "simulated", partial(make_sim_task, s), s.describe())
-        for s in sim_settings(large)
+        for s in sim_settings(large) + scale_settings(scale)
     ]
+    if scale:
+        specs += grown_tasks(data_dir)
     if only:
         specs = [s for s in specs if any(o in s.name for o in only)]
     return specs
