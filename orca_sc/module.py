@@ -516,6 +516,9 @@ def orca_objective(
     prob = F.softmax(logits, dim=1)
     prob2 = F.softmax(logits_pair, dim=1)
     pair_idx = select_pairs(pair_space, labels, generator, mutual=mutual)
-    pair = pairwise_loss(prob, prob2[pair_idx])
+    # index_select, not prob2[pair_idx]: the indexed gather's backward accumulates the rows of
+    # partners shared by several cells on several threads in a varying order (with hundreds of
+    # heads), so the same seed gave other labels
+    pair = pairwise_loss(prob, prob2.index_select(0, pair_idx))
     reg = entropy_regularizer(prob, prior) if regularizer else zero
     return ObjectiveTerms(sup + eta1 * pair + eta2 * reg, sup, pair, reg)

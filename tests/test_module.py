@@ -12,6 +12,7 @@ from orca_sc.module import (
     entropy_regularizer,
     joint_cosine_features,
     margin_cross_entropy,
+    orca_objective,
     pairwise_loss,
     select_pairs,
 )
@@ -198,3 +199,32 @@ def test_orcanet_shapes():
     logits, z = net(torch.randn(5, 20))
     assert logits.shape == (5, 7) and z.shape == (5, 8)
     np.testing.assert_array_less(logits.abs().detach().numpy(), HEAD_SCALE + 1e-4)
+
+
+def test_objective_gradient_is_the_same_every_time_with_many_heads_and_two_threads():
+    """Many cells share a partner, and with hundreds of heads the gradient of the partners'
+    predictions is large enough for torch to accumulate it on several threads: it must still be
+    the same sum every time (an indexed gather's backward added the shared rows in a varying
+    order; annotating 39,000 cells with 402 candidate heads twice gave different labels).
+    """
+    g = torch.Generator().manual_seed(0)
+    b, k = 512, 400
+    logits = torch.randn(b, k, generator=g)
+    labels = torch.where(
+        torch.rand(b, generator=g) < 0.5, torch.randint(0, 4, (b,), generator=g), -1
+    )
+    space = torch.randn(b, 2, generator=g)  # two dimensions: a few cells are many cells' nearest
+
+    def grad():
+        x = logits.clone().requires_grad_(True)
+        gen = torch.Generator().manual_seed(1)
+        orca_objective(x, x * 0.9, space, labels, 0.2, generator=gen, mutual=0).loss.backward()
+        return x.grad
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first = grad()
+        assert all(torch.equal(first, grad()) for _ in range(20))
+    finally:
+        torch.set_num_threads(threads)
