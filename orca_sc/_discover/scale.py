@@ -60,7 +60,8 @@ def size_check(
             f"Discovery found {k} candidate novel cluster(s) among {n_cells:,} cells, but {m} "
             f"when the warm-up and discovery ran on a random {sample.size:,} of them alone: at "
             "this size the call depends on how many cells carry each type, not on the data "
-            "alone"
+            "alone, and this run cannot tell which count is right (the sample also holds fewer "
+            "labelled cells)"
             + (", so 'no novel type' is not supported by these data" if k == 0 else "")
             + ". Compare with a run on a random sample of the cells "
             f"(sc.pp.subsample(adata, n_obs={sample.size})); "
