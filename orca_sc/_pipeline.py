@@ -342,7 +342,7 @@ def check_size(run: RunContext, held: np.ndarray, cand: Candidates) -> Candidate
             run.data.n_cells,
             partial(sample_discovery, run, held),
             seed=run.config.seed + 5,
-        )  # fmt: skip
+        )
     )
     return Candidates(found, cand.rows, cand.max_cosine)
 

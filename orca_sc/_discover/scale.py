@@ -33,12 +33,10 @@ def size_check(
 ) -> Discovery:
     """``found`` (discovery of a run on ``n_cells`` cells) with the candidates that
     ``discover_on`` (a warm-up and discovery on the given cells alone) finds among a random
-    ``sample_cells`` of them (sorted indices) in
-    ``diagnostics['size_check']`` and, where the two disagree (none found on all the cells but
-    some on the sample, or counts apart by more than one and a quarter of the sample's), a note
-    for the user. Nothing is
-    repeated for data of at most twice ``sample_cells`` (default :data:`SAMPLE_CELLS`) cells.
-    The labels do not change.
+    ``sample_cells`` of them (sorted indices) in ``diagnostics['size_check']`` and, where the two
+    disagree (none found on all the cells but some on the sample, or counts apart by more than
+    one and a quarter of the sample's), a note for the user. Nothing is repeated for data of at
+    most twice ``sample_cells`` (default :data:`SAMPLE_CELLS`) cells. The labels do not change.
     """
     sample_cells = SAMPLE_CELLS if sample_cells is None else sample_cells
     if n_cells <= 2 * sample_cells:

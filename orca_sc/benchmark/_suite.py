@@ -147,15 +147,17 @@ def sim_settings(large: bool = True) -> list[SimSetting]:
 #: library sizes of the scale task: ~13% and ~47% non-zeros over 2,000 genes (droplet-like and
 #: plate-like depth)
 SCALE_DEPTHS = {"sparse": 300.0, "dense": 3000.0}
-#: the scale task's sizes (cells in reference + query); from 50,000 on in the large tier
+#: the scale task's sizes (cells in reference + query) ...
 SCALE_SIZES = (5_000, 20_000, 50_000, 100_000)
+#: ... from this size on in the large tier only
+SCALE_LARGE_FROM = 50_000
 #: real count-data tasks grown to about this many cells in the large tier (:func:`grow_task`)
 GROWN_CELLS = 50_000
 
 
 def scale_settings(large: bool = False) -> list[SimSetting]:
-    """One simulated setting at every size of :data:`SCALE_SIZES` (below 50,000 cells unless
-    ``large``) and both depths of :data:`SCALE_DEPTHS`: 20 types, 10 of them novel, a quarter of
+    """One simulated setting at every size of :data:`SCALE_SIZES` (below
+    :data:`SCALE_LARGE_FROM` cells unless ``large``) and both depths of :data:`SCALE_DEPTHS`: 20 types, 10 of them novel, a quarter of
     the cells in a reference of the seen types, 2,000 genes, no batch effect. Only the number of
     cells changes between sizes, so a rule whose decision moves with it shows here.
     """
@@ -172,7 +174,7 @@ def scale_settings(large: bool = False) -> list[SimSetting]:
         )
         for depth, lib in SCALE_DEPTHS.items()
         for n in SCALE_SIZES
-        if large or n < 50_000
+        if large or n < SCALE_LARGE_FROM
     ]
 
 
