@@ -86,8 +86,7 @@ def disk_and_predict_fingerprints() -> dict:
     then ``tl.predict`` of the query with the saved model, in memory and from disk.
     """
     import orca_sc
-    from orca_sc.benchmark import make_sim_task
-    from orca_sc.benchmark._suite import SimSetting
+    from orca_sc.benchmark import SimSetting, make_sim_task
 
     task = make_sim_task(SimSetting("fp", n_ref=1500, n_query=1500), 0)
     out = {}

@@ -16,37 +16,21 @@ import warnings
 import pandas as pd
 from _cli import task_parser
 
-import orca_sc._train as train
-from orca_sc.benchmark import annotate_task, dev_suite
+from orca_sc.benchmark import StopTrace, annotate_task, dev_suite, observe
 
 
 def main() -> None:
     args = task_parser(__doc__, "reports/stop_trace.csv").parse_args()
     rows: list[dict] = []
-    context: dict = {}
-    after = train._Stopping.after
-
-    def traced(self, net, losses):
-        verdict = after(self, net, losses)
-        if self.rule is not None and self.steps % self.rule.every == 0:
-            kind = "open-world" if net.n_heads > context["n_seen"] else "warm-up"
-            if not hasattr(self, "trace_n"):  # the phases of a run, numbered as they start
-                self.trace_n = context["phases"] = context["phases"] + 1
-            n = self.trace_n
-            rows.append({**{k: v for k, v in context.items() if k != "phases"}, "phase": f"{n}:{kind}", "step": self.steps, "changed": self.changed,
-                         "loss_fall": self.loss_fall, "loss_noise": self.loss_noise,
-                         "would_stop": verdict})  # fmt: skip
-        return False  # run the whole schedule
-
-    train._Stopping.after = traced
     data = args.data if args.data.is_dir() else None
     for spec in dev_suite(data, large=False, only=args.only):
         for seed in args.seeds:
             task = spec.make(seed)
-            context.update(task=spec.name, seed=seed, n_seen=len(task.seen), phases=0)
-            with warnings.catch_warnings():
+            trace = StopTrace(run_schedule=True, task=spec.name, seed=seed)
+            with warnings.catch_warnings(), observe(trace):
                 warnings.simplefilter("ignore")
                 annotate_task(task, seed, stop_min_steps=0)
+            rows += trace.rows
             print(spec.name, seed, len(rows), flush=True)
     trace = pd.DataFrame(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)

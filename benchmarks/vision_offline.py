@@ -22,7 +22,6 @@ from pathlib import Path
 import pandas as pd
 
 from orca_sc import vision
-from orca_sc.vision._report import write_report
 
 VARIANTS = {name: margin for margin, name in vision.METHOD_NAMES.items()}
 # --ablations: the paper's other settings (App. B), ORCA with the adaptive margin
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
             f"ORCA settings: `{json.dumps(over)}`. Command: `python benchmarks/vision_offline.py "
             f"{' '.join(sys.argv[1:] if argv is None else argv)}`."
         )
-        write_report(df, out / "report.md", "orca_sc.vision offline check", notes)
+        vision.write_report(df, out / "report.md", "orca_sc.vision offline check", notes)
     print((out / "report.md").read_text())
     return 0
 

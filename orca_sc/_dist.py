@@ -14,10 +14,12 @@ rounding. Decisions (discovery, thresholds) are made on rank 0 and sent to the o
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,3 +293,27 @@ class BatchShard:
             x = torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
         g = _GatherPadded.apply(x, self.comm.loss_group, self.comm.world, self.comm.rank)
         return torch.cat([g[r, :s] for r, s in enumerate(self.sizes)])
+
+
+#: the part of the global mini-batch this rank is training on (set by the training engine)
+_SHARD: contextvars.ContextVar[BatchShard | None] = contextvars.ContextVar("shard", default=None)
+
+
+def active_shard() -> BatchShard | None:
+    """The :class:`BatchShard` of the step being run, or ``None`` (one process, or not in a
+    training step): layers whose result depends on the whole batch (dropout masks, BatchNorm
+    statistics) read it instead of taking it as an argument.
+    """
+    return _SHARD.get()
+
+
+@contextlib.contextmanager
+def sharded(shard: BatchShard | None) -> Iterator[BatchShard | None]:
+    """Run a training step on this rank's part ``shard`` of a global batch (``None``: the
+    whole batch, as one process).
+    """
+    token = _SHARD.set(shard)
+    try:
+        yield shard
+    finally:
+        _SHARD.reset(token)

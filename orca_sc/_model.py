@@ -29,6 +29,7 @@ from ._card import model_card
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
 from ._discover import match_known_types, match_novel_across_batches, name_heads
+from ._engine import stage
 from ._errors import OrcaInputError, check_anndata, check_input_file
 from ._pipeline import Fit
 from ._pipeline import fit as fit_run
@@ -65,6 +66,16 @@ def train(
     assembly behind :func:`orca_sc.tl.annotate`, :meth:`OrcaModel.fit` and ``orca-sc annotate``.
     """
     fit = fit_run(adata, reference, labels_key, cfg)
+    with stage("naming, novelty and calibration"):
+        return _assemble(fit, reference, labels_key, cfg)
+
+
+def _assemble(
+    fit: Fit, reference: Any | None, labels_key: str, cfg: OrcaConfig
+) -> tuple[OrcaModel, Annotation]:
+    """The model and the annotation of a finished fit: novel heads named, novelty and
+    confidence calibrated, the novelty test and majority vote applied.
+    """
     data = fit.data
     model = OrcaModel._from_fit(fit)
     naming = model.name_novel_heads(data, model.assign_heads(fit.probs))

@@ -38,6 +38,7 @@ from ._discover import (
     subsample_rows,
 )
 from ._dist import Comm, init_from_env, rank_device
+from ._engine import stage
 from ._train import (
     CellMatrix,
     NovelHeads,
@@ -99,15 +100,17 @@ def run_context(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaCon
     device = resolve_device(rank_device(cfg.device, comm))  # options first, then the data
     if comm.active and not comm.main:
         cfg = cfg.replace(progress=False)
-    data = prepare(adata, reference, labels_key, cfg, comm)
+    with stage("prepare"):
+        data = prepare(adata, reference, labels_key, cfg, comm)
     n_batches, n_seen = len(data.domain_names), len(data.classes)
-    transform = Transform(
-        *comm.on_main(
-            lambda: compute_transform(
-                cfg.alignment, data.X, data.labels, data.domain, n_batches, n_seen
+    with stage("alignment"):
+        transform = Transform(
+            *comm.on_main(
+                lambda: compute_transform(
+                    cfg.alignment, data.X, data.labels, data.domain, n_batches, n_seen
+                )
             )
         )
-    )
     cells = CellMatrix(data.X, data.domain, transform.scale, transform.offset, device)
     return RunContext(
         data, transform, cells, cfg, schedule(data.n_cells, cfg), TrainRandom(cfg.seed, device),
@@ -193,28 +196,35 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     """
     run = run_context(adata, reference, labels_key, cfg)
     t0 = time.perf_counter()
-    warm = warm_up(run)
-    check = self_check(run) if run.config.discovery.self_check else None
+    with stage("warm-up"):
+        warm = warm_up(run)
+    with stage("self-check"):
+        check = self_check(run) if run.config.discovery.self_check else None
     t1 = time.perf_counter()
-    ensemble = extra_warmups(run, warm.held)
-    cand = find_candidates(
-        run, warm.net, warm.held, ood_cap=warm.ood_cap, warmed_up=run.plan.warmup > 0,
-        ensemble=ensemble,
-    )  # fmt: skip
-    cand = check_size(run, warm.held, cand)
+    with stage("discovery"):
+        ensemble = extra_warmups(run, warm.held)
+        cand = find_candidates(
+            run, warm.net, warm.held, ood_cap=warm.ood_cap, warmed_up=run.plan.warmup > 0,
+            ensemble=ensemble,
+        )  # fmt: skip
+    with stage("size check"):
+        cand = check_size(run, warm.held, cand)
     t2 = time.perf_counter()
-    ow = open_world(run, warm, cand)
+    with stage("open-world fit"):
+        ow = open_world(run, warm, cand)
     t3 = time.perf_counter()
     found = cand.found
     logger.info("Novel heads: %d (estimated novel types: %d).", found.n_heads, found.n_novel)
     for note in [*found.notes, *(check or {}).get("notes", [])]:  # the data cannot support a call
         logger.warning(note)
-    probs, embedding = infer(ow.net, run.cells, comm=run.comm)
+    with stage("inference"):
+        probs, embedding = infer(ow.net, run.cells, comm=run.comm)
     t4 = time.perf_counter()
     folds = run.config.discovery.novelty_folds
     pvalues, fold_pred = None, None
     if folds and run.plan.warmup > 0:
-        pvalues, fold_pred = cross_fit(run, folds, probs[:, : run.n_seen].argmax(axis=1))
+        with stage("novelty test (cross-fit)"):
+            pvalues, fold_pred = cross_fit(run, folds, probs[:, : run.n_seen].argmax(axis=1))
     t5 = time.perf_counter()
     cells = run.cells
     training = {"device": str(cells.device), "layout": cells.layout, "density": cells.density,
@@ -447,19 +457,22 @@ def cross_fit(
         held = folds == f
         if not held.any():
             continue
-        net = _side_warmup(run, held, cfg.seed + 100 + f)
+        with stage("fold warm-ups"):
+            net = _side_warmup(run, held, cfg.seed + 100 + f)
         train = np.flatnonzero(data.labeled & ~held)
         if train.size > NOVELTY_REFERENCE_CELLS:  # the same random labelled cells score all
             train = np.sort(rng.choice(train, NOVELTY_REFERENCE_CELLS, replace=False))
         # the cells a fold's net says something of: the query, its held-out and its reference
         # cells (a labelled cell's confidence comes from the fold it was held out of)
         rows = np.union1d(np.flatnonzero(~data.labeled | held), train)
-        probs, emb = infer(net, run.cells, rows, comm=run.comm)
+        with stage("fold inference"):
+            probs, emb = infer(net, run.cells, rows, comm=run.comm)
         at[rows] = np.arange(rows.size)
         # every rank has the embedding; the scores are counted once
-        run.comm.on_main(
-            partial(_count_fold, counts, emb, at[train], at[held], at[test], run.cells.device)
-        )
+        with stage("fold scores"):
+            run.comm.on_main(
+                partial(_count_fold, counts, emb, at[train], at[held], at[test], run.cells.device)
+            )
         held_prob[held] = probs[at[held]].max(axis=1)
         held_correct[held] = probs[at[held]].argmax(axis=1) == data.labels[held]
         label_prob[f, rows] = probs[np.arange(rows.size), seen_top[rows]]

@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
-import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,8 +22,9 @@ import torch.nn.functional as F
 
 from ._align import aligned_rows
 from ._config import OrcaConfig
-from ._dist import Comm
-from ._errors import ConfigError, TrainingDivergedError
+from ._dist import BatchShard, Comm, active_shard
+from ._engine import StopState, fit_phase, stage
+from ._errors import ConfigError
 from .module import (
     OrcaNet,
     SparseRows,
@@ -297,69 +297,17 @@ def stop_rule(n_cells: int, config: OrcaConfig) -> StopRule | None:
     return StopRule(sample, config.stop_tolerance, config.stop_check_steps, config.stop_min_steps)
 
 
-class _Stopping:
-    """The state of :class:`StopRule` over one phase: the per-step losses since the last check,
-    the sampled cells' heads at it, and the last check's figures.
+def stop_state(rule: StopRule | None, data: CellMatrix, comm: Comm | None) -> StopState:
+    """The engine's :class:`~orca_sc._engine.StopState` of ``rule`` over one phase on ``data``
+    (``None``: one that never checks).
     """
+    if rule is None:
+        return StopState.never()
 
-    def __init__(self, rule: StopRule | None, data: CellMatrix, comm: Comm | None) -> None:
-        self.rule, self.data, self.comm = rule, data, comm
-        self.steps = 0
-        self.losses: list[torch.Tensor] = []
-        self.heads: np.ndarray | None = None
-        self.window: tuple[float, float] | None = None  # mean, standard error of the last window
-        self.changed = float("nan")
-        self.changed_before = float("nan")
-        self.loss_fall = float("nan")
-        self.loss_noise = float("nan")
+    def heads_of(net: OrcaNet) -> np.ndarray:
+        return infer(net, data, rule.sample, comm)[0].argmax(axis=1)
 
-    def windows(self, batches: list[np.ndarray]) -> list[list[np.ndarray]]:
-        """``batches`` cut where a check falls (every ``rule.every`` steps of the phase)."""
-        if self.rule is None:
-            return [batches]
-        out, start, done = [], 0, self.steps
-        while start < len(batches):
-            take = self.rule.every - done % self.rule.every
-            out.append(batches[start : start + take])
-            start, done = start + take, done + take
-        return out
-
-    def after(self, net: OrcaNet, losses: torch.Tensor) -> bool:
-        """Account for the steps just run (their ``losses``); at a check, whether to stop."""
-        self.steps += losses.numel()
-        if self.rule is None:
-            return False
-        self.losses.append(losses)
-        if self.steps % self.rule.every:
-            return False
-        window = torch.cat(self.losses).double().cpu().numpy()
-        self.losses = []
-        mean = float(window.mean())
-        se = float(window.std(ddof=1) / np.sqrt(window.size)) if window.size > 1 else 0.0
-        probs, _ = infer(net, self.data, self.rule.sample, self.comm)
-        net.train()
-        heads = probs.argmax(axis=1)
-        if self.heads is not None:
-            self.changed_before = self.changed
-            self.changed = float((heads != self.heads).mean())
-        if self.window is not None:
-            self.loss_fall = self.window[0] - mean
-            self.loss_noise = 2.0 * float(np.hypot(self.window[1], se))
-        self.heads, self.window = heads, (mean, se)
-        return (
-            self.steps >= self.rule.min_steps
-            and self.loss_fall < self.loss_noise
-            and (self.changed < self.rule.tolerance or self.heads_settled())
-        )
-
-    def heads_settled(self) -> bool:
-        """Whether the share of sampled cells changing head fell by less than two binomial
-        standard errors of the difference between the last two checks.
-        """
-        p0, p1, n = self.changed_before, self.changed, self.rule.sample.size
-        if not (np.isfinite(p0) and np.isfinite(p1)):
-            return False
-        return p0 - p1 < 2.0 * np.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / n)
+    return StopState(rule.every, rule.min_steps, rule.tolerance, heads_of)
 
 
 class TrainRandom:
@@ -425,8 +373,8 @@ def fit_warmup(
     """
     with rand.torch_stream():
         net = OrcaNet(data.shape[1], n_seen, config.hidden_dims, config.dropout).to(data.device)
-        history = _run_epochs(net, data, labels, range(plan.warmup), plan, config, rand,
-                              Phase(full=False), comm)  # fmt: skip
+        loss = OrcaLoss(data, labels, config, plan, comm, full=False)
+        history = _fit(net, loss, data, labels, range(plan.warmup), plan, config, rand, comm)
     return net, history
 
 
@@ -464,112 +412,128 @@ def fit_open_world(
         feats = None
         if pair_features is not None:
             feats = torch.as_tensor(pair_features, dtype=torch.float32, device=dev)
-        phase = Phase(full=True, prior=prior, y_anchor=y_anchor, pair_features=feats)
+        loss = OrcaLoss(
+            data, labels, config, plan, comm, full=True, prior=prior, y_anchor=y_anchor,
+            pair_features=feats,
+        )  # fmt: skip
         epochs = range(plan.warmup, plan.n_epochs)
-        history = _run_epochs(net, data, labels, epochs, plan, config, rand, phase, comm)
+        history = _fit(net, loss, data, labels, epochs, plan, config, rand, comm)
     net.eval()
     return net, history
 
 
-def epoch_bar(epochs, desc: str, enabled: bool):
-    """A tqdm bar over ``epochs`` on stderr; in a log file (stderr not a terminal) it refreshes
-    every 10 s instead of many times a second.
+def _fit(net, loss, data, labels, epochs, plan, config, rand, comm) -> list[dict]:
+    """:func:`orca_sc._engine.fit_phase` of ``net`` on the cells of ``data``: the phase's
+    batches, Adam, the stopping rule of ``config`` and, with several processes, the net
+    wrapped for ``DistributedDataParallel``.
     """
-    from tqdm import tqdm
-
-    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-    return tqdm(
-        epochs,
-        desc=desc,
-        unit="epoch",
-        disable=not enabled,
-        leave=False,
-        mininterval=0.1 if tty else 10.0,
-    )
+    comm = comm if comm is not None and comm.active else None
+    full = loss.full
+    loss.generator = rand.pairs
+    return fit_phase(
+        net, loss, CellBatches(data, labels, plan, rand, full, comm), _adam(net, config), epochs,
+        phase="open-world" if full else "warm-up",
+        stop=stop_state(stop_rule(data.shape[0], config), data, comm),
+        model=_distributed(net, data.device, comm),
+        desc="ORCA" if full else "ORCA warm-up", progress=config.progress,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
-class Phase:
-    """What distinguishes the two phases of training: the warm-up (``full=False``: labelled
-    cells, supervised term) and the open-world phase (the full objective, with the
-    regulariser's ``prior``, the anchored cells' heads ``y_anchor`` (``(n_cells,)``, ``-1``: not
-    anchored) and the fixed ``pair_features`` ``(n_cells, P)``, all on the device).
+class CellBatch:
+    """One mini-batch of cells: the model's input ``x`` (this rank's rows), the batch's rows
+    of the training matrix on the device ``rows``, and this rank's ``shard`` (``None``: one
+    process).
     """
 
-    full: bool
-    prior: torch.Tensor | None = None
-    y_anchor: torch.Tensor | None = None
-    pair_features: torch.Tensor | None = None
+    x: torch.Tensor | SparseRows
+    rows: torch.Tensor
+    shard: BatchShard | None
 
 
-def _run_epochs(net, data, labels, epochs, plan, config, rand, phase: Phase, comm=None):
-    """Train ``net`` in place over ``epochs`` (epoch numbers of the whole run), or until
-    ``config``'s :class:`StopRule` stops it (the anchor epochs are never cut); one history
-    record per epoch, the last with ``stopped``: ``"converged"`` or ``"schedule"``.
-
-    Nothing in a step waits for the device: the batch indices of an epoch (of each stretch
-    between two checks of the stopping rule) go to the device in one copy, the loss terms are
-    summed there and read once per stretch (and checked for NaN once per epoch).
-
-    With several processes (``comm``), every rank draws the same mini-batches and runs the
-    forward pass on its part of each (:class:`orca_sc._dist.BatchShard`); the loss is taken on
-    the gathered batch and ``DistributedDataParallel`` averages the gradients.
+class CellBatches:
+    """The mini-batches of a phase on the cells of ``data``: every epoch a permutation of the
+    labelled cells and one of the unlabelled, cut into ``plan.steps_per_epoch`` batches that mix
+    the two in proportion (the warm-up's, ``full=False``, hold the labelled cells alone);
+    balanced sizes, so that the last batch is never tiny. With several processes every rank
+    draws the same batches and loads its part of each.
     """
-    comm = comm if comm is not None and comm.active else None
-    y_all = torch.as_tensor(labels, device=data.device)
-    lab_idx, unl_idx = np.flatnonzero(labels >= 0), np.flatnonzero(labels < 0)
-    opt = _adam(net, config)
-    model = _distributed(net, data.device, comm)
-    history: list[dict] = []
-    stopping = _Stopping(stop_rule(data.shape[0], config), data, comm)
-    u_rows = _uncertainty_rows(unl_idx, config.seed)
-    bar = epoch_bar(epochs, "ORCA" if phase.full else "ORCA warm-up", config.progress)
-    converged = False
-    for epoch in bar:
-        t_epoch = time.perf_counter()
-        # the margin follows the unlabelled cells' uncertainty, refreshed every epoch
-        u = mean_uncertainty(net, data, u_rows, comm)
-        margin = adaptive_margin(
-            config.margin, u, config.lam, config.max_margin, config.fixed_margin
-        )
-        anchored = phase.y_anchor is not None and epoch < plan.warmup + plan.anchor
-        net.train()
-        # mini-batches mix labelled and unlabelled cells in proportion; balanced sizes, so the
-        # last batch is never tiny
-        lab_chunks = np.array_split(rand.numpy.permutation(lab_idx), plan.steps_per_epoch)
-        unl_chunks = np.array_split(rand.numpy.permutation(unl_idx), plan.steps_per_epoch)
+
+    def __init__(self, data, labels, plan: Schedule, rand: TrainRandom, full: bool, comm):
+        self.data, self.plan, self.rand, self.full, self.comm = data, plan, rand, full, comm
+        self.lab_idx = np.flatnonzero(labels >= 0)
+        self.unl_idx = np.flatnonzero(labels < 0)
+
+    def epoch(self, epoch: int) -> list[np.ndarray]:
+        rng, n = self.rand.numpy, self.plan.steps_per_epoch
+        lab_chunks = np.array_split(rng.permutation(self.lab_idx), n)
+        unl_chunks = np.array_split(rng.permutation(self.unl_idx), n)
         batches = [
-            np.concatenate([lc, uc]) if phase.full else lc
+            np.concatenate([lc, uc]) if self.full else lc
             for lc, uc in zip(lab_chunks, unl_chunks, strict=True)
         ]
-        batches = [b for b in batches if b.size >= 2]
-        step = _Step(model, opt, data, y_all, margin, phase, anchored, config, rand.pairs, comm)
-        sums, n_done = np.zeros(5), 0
-        for window in stopping.windows(batches):
-            window_sums, losses = step.epoch(window)
-            sums, n_done = sums + window_sums * len(window), n_done + len(window)
-            # the anchor epochs are a fixed part of the objective: no stop inside them
-            converged = stopping.after(net, losses) and not anchored
-            if converged:
-                break
-        sums /= max(1, n_done)
-        history.append(_record(epoch, sums, n_done, u, margin, phase.full, anchored))
-        history[-1] |= {"seconds": time.perf_counter() - t_epoch, "changed": stopping.changed,
-                        "loss_fall": stopping.loss_fall, "loss_noise": stopping.loss_noise,
-                        "stopped": ""}  # fmt: skip
-        bar.set_postfix(loss=f"{sums[0]:.3f}", u=f"{u:.3f}", refresh=False)
-        if converged:
-            break
-    bar.close()
-    if history:
-        history[-1]["stopped"] = "converged" if converged else "schedule"
-    if converged:
-        logger.info(
-            "%s converged after %d steps: %.1f%% of the sampled cells changed head, the loss fell "
-            "%.4f (noise %.4f).", "Open-world fit" if phase.full else "Warm-up", stopping.steps,
-            100 * stopping.changed, stopping.loss_fall, stopping.loss_noise,
+        return [b for b in batches if b.size >= 2]
+
+    def load(self, batches: list[np.ndarray]) -> Iterator[CellBatch]:
+        data = self.data
+        order = np.concatenate(batches) if batches else np.empty(0, dtype=np.int64)
+        order_t = data.to_device(order)  # one copy per stretch
+        bounds = np.cumsum([0] + [b.size for b in batches])
+        for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            idx = order_t[lo:hi]
+            if self.comm is None:
+                yield CellBatch(data.batch(batches[b], idx), idx, None)
+            else:  # this rank's part of the batch
+                shard = self.comm.batch_shard(hi - lo)
+                yield CellBatch(data.batch(batches[b][shard.rows], idx[shard.rows]), idx, shard)
+
+
+class OrcaLoss:
+    """ORCA's objective on the cells of ``data`` (paper Eq. 1; :func:`orca_loss_terms`), with
+    the state it keeps over a phase: the margin, set at the start of every epoch from the
+    unlabelled cells' mean uncertainty (Eq. 4, over a fixed sample of at most
+    :data:`UNCERTAINTY_CELLS`); the regulariser's ``prior``; the anchored cells' heads
+    ``y_anchor`` (``(n_cells,)``, ``-1``: not anchored; used in the first ``plan.anchor``
+    epochs after the warm-up, which the stopping rule never cuts); the fixed
+    ``pair_features`` ``(n_cells, P)``; the labelled cells' pair partners drawn from
+    ``generator``. ``full=False``: the warm-up's supervised term alone.
+    """
+
+    terms = ("loss", "supervised", "pairwise", "regularizer", "anchor")
+
+    def __init__(
+        self, data: CellMatrix, labels: np.ndarray, config: OrcaConfig, plan: Schedule, comm,
+        *, full: bool, prior=None, y_anchor=None, pair_features=None, generator=None,
+    ) -> None:  # fmt: skip
+        self.data, self.config, self.plan, self.comm, self.full = data, config, plan, comm, full
+        self.comm = comm if comm is not None and comm.active else None
+        self.y_all = torch.as_tensor(labels, device=data.device)
+        self.u_rows = _uncertainty_rows(np.flatnonzero(labels < 0), config.seed)
+        self.prior, self.y_anchor, self.pair_features = prior, y_anchor, pair_features
+        self.generator = generator
+        self.margin, self.anchored = 0.0, False
+
+    def start_epoch(self, net: OrcaNet, epoch: int) -> dict:
+        cfg = self.config
+        with stage("margin refresh"):
+            u = mean_uncertainty(net, self.data, self.u_rows, self.comm)
+        self.margin = adaptive_margin(cfg.margin, u, cfg.lam, cfg.max_margin, cfg.fixed_margin)
+        plan = self.plan
+        self.anchored = self.y_anchor is not None and epoch < plan.warmup + plan.anchor
+        return {"uncertainty": u, "margin": self.margin, "warmup": not self.full,
+                "anchored": self.anchored}  # fmt: skip
+
+    def may_stop(self, epoch: int) -> bool:
+        return not self.anchored  # the anchor epochs are a fixed part of the objective
+
+    def __call__(self, model: torch.nn.Module, item: CellBatch) -> tuple[torch.Tensor, ...]:
+        idx = item.rows
+        return orca_loss_terms(
+            model, item.x, self.y_all[idx], self.margin, self.config, self.generator,
+            full=self.full, prior=self.prior,
+            y_anchor=self.y_anchor[idx] if self.anchored else None,
+            pair_features=self.pair_features[idx] if self.pair_features is not None else None,
         )  # fmt: skip
-    return history
 
 
 #: the margin's mean uncertainty is taken over at most this many unlabelled cells (a fixed
@@ -598,80 +562,6 @@ def _distributed(net: OrcaNet, device: torch.device, comm: Comm | None):
     )
 
 
-@dataclass
-class _Step:
-    """One epoch's optimiser steps over its mini-batches (the model, its optimiser and what
-    every step of the epoch shares).
-    """
-
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    data: CellMatrix
-    y_all: torch.Tensor
-    margin: float
-    phase: Phase
-    anchored: bool
-    config: OrcaConfig
-    gen: torch.Generator
-    comm: Comm | None
-
-    def epoch(self, batches: list[np.ndarray]) -> tuple[np.ndarray, torch.Tensor]:
-        """Train on ``batches`` in order; the mean of each loss term over them (on the host) and
-        the loss of each step (on the device).
-        """
-        data, phase = self.data, self.phase
-        order = np.concatenate(batches) if batches else np.empty(0, dtype=np.int64)
-        order_t = data.to_device(order)  # one copy per call
-        bounds = np.cumsum([0] + [b.size for b in batches])
-        sums = torch.zeros(5, device=data.device)
-        losses = []
-        for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            idx = order_t[lo:hi]
-            shard = None
-            if self.comm is None:
-                x = data.batch(batches[b], idx)
-            else:  # this rank's part of the batch
-                shard = self.comm.batch_shard(hi - lo)
-                x = data.batch(batches[b][shard.rows], idx[shard.rows])
-            batch = Phase(
-                phase.full, phase.prior, phase.y_anchor[idx] if self.anchored else None,
-                phase.pair_features[idx] if phase.pair_features is not None else None,
-            )  # fmt: skip
-            parts = _losses(
-                self.model, x, self.y_all[idx], self.margin, batch, self.config, self.gen, shard
-            )
-            self.opt.zero_grad(set_to_none=True)
-            parts[0].backward()
-            self.opt.step()
-            sums += torch.stack([p.detach() for p in parts])
-            losses.append(parts[0].detach())
-        loss_t = torch.stack(losses) if losses else torch.zeros(0, device=data.device)
-        return sums.cpu().numpy() / max(1, len(batches)), loss_t
-
-
-def _record(epoch, sums, n_done, u, margin, full, anchored) -> dict:
-    """The history record of an epoch (``sums``: mean loss terms); a non-finite loss stops."""
-    if not np.isfinite(sums[0]):
-        msg = (
-            f"The training loss became {sums[0]} in epoch {epoch + 1}; lower the learning "
-            "rate (lr=...) or check the input for extreme values."
-        )
-        raise TrainingDivergedError(msg)
-    return {
-        "epoch": epoch + 1,
-        "loss": float(sums[0]),
-        "supervised": float(sums[1]),
-        "pairwise": float(sums[2]),
-        "regularizer": float(sums[3]),
-        "anchor": float(sums[4]),
-        "uncertainty": u,
-        "margin": margin,
-        "warmup": not full,
-        "anchored": anchored,
-        "steps": n_done,
-    }
-
-
 def _adam(net: OrcaNet, config: OrcaConfig) -> torch.optim.Adam:
     """Adam with its fused kernel where there is one (CPU, CUDA): on 2 CPU threads 0.4 ms per
     step against 6.3 ms for the per-parameter loop.
@@ -683,39 +573,44 @@ def _adam(net: OrcaNet, config: OrcaConfig) -> torch.optim.Adam:
         return torch.optim.Adam(net.parameters(), **kw)
 
 
-def _losses(net, x, y, margin, batch: Phase, config, gen, shard=None):
-    """Eq. 1: L = L_S + eta1 L_P + eta2 R, each term switchable; ``batch``: the phase with its
-    per-cell tensors taken for this batch. During the anchor epochs (``batch.y_anchor`` given,
-    ``-1`` for cells not anchored) ``anchor_weight`` times the plain
-    cross-entropy of the anchored candidate novel cells towards their clusters' heads is added
-    (no margin: the margin eases seen classes, not candidates). Returns
-    ``(loss, supervised, pairwise, regulariser, anchor)``.
+def orca_loss_terms(
+    net, x, y, margin: float, config: OrcaConfig, gen: torch.Generator | None, *, full: bool,
+    prior=None, y_anchor=None, pair_features=None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Eq. 1 on one batch: L = L_S + eta1 L_P + eta2 R, each term switchable (``full=False``:
+    the warm-up's supervised term alone). ``prior``, ``y_anchor`` and ``pair_features``: the
+    phase's per-cell tensors taken for this batch. With ``y_anchor`` (``-1`` for cells not
+    anchored) ``anchor_weight`` times the plain cross-entropy of the anchored candidate novel
+    cells towards their clusters' heads is added (no margin: the margin eases seen classes, not
+    candidates). Returns ``(loss, supervised, pairwise, regulariser, anchor)``.
 
-    ``shard``: ``x`` is this rank's part of the batch whose labels etc. are given; the net's
-    outputs are gathered, so the loss is that of the whole batch.
+    In a step on several processes (:func:`orca_sc._dist.active_shard`) ``x`` is this rank's
+    part of the batch whose labels etc. are given; the net's outputs are gathered, so the loss
+    is that of the whole batch.
     """
-    if not batch.full:  # the warm-up's batches hold labelled cells only
-        logits, _ = net(x, shard=shard)  # (B, K)
+    shard = active_shard()
+    if not full:  # the warm-up's batches hold labelled cells only
+        logits, _ = net(x)  # (B, K)
         if shard is not None:
             logits = shard.gather(logits)
         zero = logits.sum() * 0.0
         sup = margin_cross_entropy(logits, y, margin) if config.supervised else zero
         return sup, sup, zero, zero, zero
-    (logits, feat), (logits2, _) = net(x, views=2, shard=shard)  # two dropout masks
+    (logits, feat), (logits2, _) = net(x, views=2)  # two dropout masks
     if shard is not None:  # one exchange for the three
         k, d = logits.shape[1], feat.shape[1]
         joined = shard.gather(torch.cat([logits, logits2, feat], dim=1))
         logits, logits2, feat = joined[:, :k], joined[:, k : 2 * k], joined[:, 2 * k : 2 * k + d]
     zero = logits.sum() * 0.0
     anchor = zero
-    if batch.y_anchor is not None:
-        anchor = masked_margin_cross_entropy(logits, batch.y_anchor, 0.0)
-    if batch.pair_features is None:  # pair_space="embedding"
+    if y_anchor is not None:
+        anchor = masked_margin_cross_entropy(logits, y_anchor, 0.0)
+    if pair_features is None:  # pair_space="embedding"
         space = feat
     elif config.pair_space == "both":
-        space = joint_cosine_features(batch.pair_features, feat)
+        space = joint_cosine_features(pair_features, feat)
     else:
-        space = batch.pair_features
+        space = pair_features
     terms = orca_objective(
         logits,
         logits2,
@@ -724,7 +619,7 @@ def _losses(net, x, y, margin, batch: Phase, config, gen, shard=None):
         margin,
         eta1=config.eta1,
         eta2=config.eta2,
-        prior=batch.prior,
+        prior=prior,
         generator=gen,
         mutual=config.mutual_pairs,
         supervised=config.supervised,

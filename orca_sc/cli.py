@@ -661,12 +661,33 @@ def _csv_list(value: str | None, cast=str) -> list | None:
     is_flag=True,
     help="CI mode: pbmc68k_reduced protocol, one seed, three methods, tiny scaling.",
 )
+@click.option(
+    "--only",
+    multiple=True,
+    help="Run only the tasks whose name contains this text (repeatable).",
+)
+@click.option(
+    "--set",
+    "set_pairs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="With --method ORCA alone: an OrcaConfig or DiscoveryConfig option for every run "
+    "(repeatable, e.g. --set novelty_folds=0); the runs then carry the suite's full figures "
+    "for `orca-sc compare`.",
+)
+@click.option(
+    "--task-seed",
+    type=int,
+    default=None,
+    help="With --method ORCA alone: draw every task's split with this seed and vary only the "
+    "model's seed (the same data, another seed).",
+)
 @_add(_output_opts)
 @click.pass_context
 def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, reference_batches,
               seen_fraction, labeled_fraction, seen_classes, novel_classes, methods, seeds, ablation_seeds, suite,
               large, scaling, scaling_sizes, scaling_disk_sizes, scaling_only, scaling_library_size, quick,
-              overwrite, quiet):  # fmt: skip
+              only, set_pairs, task_seed, overwrite, quiet):  # fmt: skip
     """Compare ORCA, its ablations and baselines on open-world tasks; write a report.
 
     Built-in tasks: the paper's protocol on scanpy's pbmc68k_reduced, plus the shared real
@@ -727,10 +748,29 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
                     "--large adds the development suite's large tier: use it with --suite dev."
                 )
             specs = _builtin_specs(suite, data_dir, quick, tasks, large)
-        abl_list = _csv_list(ablation_seeds, int) or seed_list
-        result = B.run_benchmark(
-            specs, method_list, seed_list, ablation_seeds=abl_list, progress=not quiet
+        if only:
+            specs = [s for s in specs if any(o in s.name for o in only)]
+            if not specs:
+                raise CliError(f"no task name contains any of --only {list(only)}.")
+        orca_alone = method_list == ["ORCA"] and (
+            suite == "dev" or set_pairs or task_seed is not None
         )
+        if (set_pairs or task_seed is not None) and method_list != ["ORCA"]:
+            raise CliError("--set and --task-seed apply to ORCA alone: add --method ORCA.")
+        if orca_alone:
+            overrides = _overrides(set_pairs)
+            runs = B.run_orca_suite(
+                specs, seed_list, overrides, task_seed=task_seed, progress=not quiet
+            )
+            result = B.BenchmarkResult(runs, B.summarize_runs(runs))
+            result.settings = {"version": orca_sc_version(), "seeds": seed_list,
+                               "torch_threads": torch_threads(), "overrides": overrides,
+                               "task_seed": task_seed}  # fmt: skip
+        else:
+            abl_list = _csv_list(ablation_seeds, int) or seed_list
+            result = B.run_benchmark(
+                specs, method_list, seed_list, ablation_seeds=abl_list, progress=not quiet
+            )
         if scaling and (sizes or disk_sizes):
             result.scaling = B.run_scaling(
                 sizes, n_genes=500 if quick else 2000, progress=not quiet,
@@ -740,6 +780,92 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
 
     click.echo((out / ("suite.md" if suite == "dev" else "report.md")).read_text())
     click.echo(f"Wrote {out}/: " + ", ".join(sorted(p.name for p in paths.values())))
+
+
+def _overrides(pairs: tuple[str, ...]) -> dict:
+    """``--set`` pairs as configuration options, checked before any run."""
+    from . import benchmark as B
+    from ._config import resolve_config
+
+    try:
+        overrides = B.config_overrides(pairs)
+        resolve_config(None, "--set", **overrides)
+    except (TypeError, ValueError) as e:
+        raise CliError(f"--set: {e}") from None
+    return overrides
+
+
+def orca_sc_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@main.command()
+@click.argument("before", type=click.Path(dir_okay=False))
+@click.argument("after", type=click.Path(dir_okay=False))
+@click.option("--out", default=None, help="Also write the tables to this Markdown file.")
+@click.option(
+    "--before-prefix",
+    default="",
+    help="Read the before run's figures from the columns of this prefix (per_cell_: a run with "
+    "majority_vote=True keeps the unvoted labels there).",
+)
+@click.option("--after-prefix", default="", help="As --before-prefix, for the after run.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Exit with status 1 when a task fails the drops check (a change meant to move no label).",
+)
+@click.pass_context
+def compare(ctx, before, after, out, before_prefix, after_prefix, check):
+    """Before/after tables of two development-suite runs (their runs.csv).
+
+    Per task the four figures with their seed spread (novel->novel, known->novel, all-class
+    accuracy, novel clusters found against the true number), how many tasks meet each goal,
+    the drops check, and the training steps of the after run.
+
+    \b
+    Example:
+      orca-sc benchmark --suite dev --method ORCA --outdir before
+      orca-sc benchmark --suite dev --method ORCA --set novelty_folds=0 --outdir after
+      orca-sc compare before/runs.csv after/runs.csv --out compare.md
+    """
+    import pandas as pd
+
+    from . import benchmark as B
+
+    with errors(ctx):
+        runs = []
+        for name, path, prefix in (
+            ("BEFORE", before, before_prefix),
+            ("AFTER", after, after_prefix),
+        ):
+            try:
+                df = pd.read_csv(path)
+            except (OSError, ValueError) as e:
+                reason = " ".join(str(e).split())
+                raise CliError(f"{name} {path!r} cannot be read as a CSV file: {reason}") from None
+            missing = sorted({"task", "seed", *B.compare_columns()} - set(df.columns))
+            if missing:
+                raise CliError(
+                    f"{name} {path!r} is not a suite's runs.csv: it lacks the columns {missing}."
+                )
+            runs.append(B.orca_runs(df, prefix))
+        result = B.compare_runs(*runs)
+        if result.n_tasks == 0:
+            raise CliError("BEFORE and AFTER have no task in common.")
+        if out is not None:
+            Path(out).write_text(result.markdown)
+    click.echo(result.markdown)
+    if check and result.failing:
+        ctx.exit(1)
 
 
 def _benchmark_outdir(outdir: str, overwrite: bool, report: str = "report.md") -> Path:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._config import HEAD_SCALE
+from ._dist import active_shard
 
 _EPS = 1e-7
 
@@ -188,9 +189,38 @@ def _move_running_stats(bn: nn.BatchNorm1d, mean: torch.Tensor, var: torch.Tenso
         bn.running_var.mul_(1 - m).add_(var, alpha=m)
 
 
+class ShardDropout(nn.Dropout):
+    """:class:`torch.nn.Dropout` with the masks of :func:`dropout`; in a step on several
+    processes (:func:`orca_sc._dist.active_shard`) the mask is that of the whole batch.
+    """
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return dropout(h, self.p, self.training, active_shard())
+
+
+class ShardBatchNorm1d(nn.BatchNorm1d):
+    """:class:`torch.nn.BatchNorm1d` whose training statistics are those of the whole batch in a
+    step on several processes (:func:`orca_sc._dist.active_shard`); ``passes``: its running
+    statistics move as for that many passes of the batch.
+    """
+
+    def forward(self, h: torch.Tensor, passes: int = 1) -> torch.Tensor:
+        shard = active_shard()
+        if shard is not None and self.training:  # one exchange for all passes
+            return synced_batch_norm(h, self, shard, passes)
+        out = super().forward(h)
+        if self.training and self.track_running_stats:
+            with torch.no_grad():  # the other passes' updates of the running statistics
+                for _ in range(passes - 1):
+                    super().forward(h.detach())
+        return out
+
+
 class MLPBackbone(nn.Module):
     """Two fully connected blocks: Linear -> BatchNorm -> ReLU -> Dropout (the paper's single-cell
-    backbone). The output of the second block is the cell embedding.
+    backbone). The output of the second block is the cell embedding. In a training step on
+    several processes the BatchNorm statistics and dropout masks are those of the whole batch
+    (:func:`orca_sc._dist.sharded`).
     """
 
     def __init__(self, n_in: int, hidden_dims: tuple[int, int], dropout: float) -> None:
@@ -198,61 +228,41 @@ class MLPBackbone(nn.Module):
         h1, h2 = hidden_dims
         self.net = nn.Sequential(
             GeneLinear(n_in, h1),
-            nn.BatchNorm1d(h1),
+            ShardBatchNorm1d(h1),
             nn.ReLU(),
-            nn.Dropout(dropout),
+            ShardDropout(dropout),
             nn.Linear(h1, h2),
-            nn.BatchNorm1d(h2),
+            ShardBatchNorm1d(h2),
             nn.ReLU(),
-            nn.Dropout(dropout),
+            ShardDropout(dropout),
         )
 
-    def forward(self, x: torch.Tensor | SparseRows, shard: Any = None) -> torch.Tensor:
-        """``(B, G) -> (B, D)``. ``shard``: ``x`` is this rank's part of a global batch
-        (:class:`orca_sc._dist.BatchShard`; BatchNorm and dropout then act on the whole batch).
-        """
-        return self._block2(self._trunk(x, shard=shard), shard)
+    def forward(self, x: torch.Tensor | SparseRows) -> torch.Tensor:
+        """``(B, G) -> (B, D)``."""
+        return self._block2(self._trunk(x))
 
-    def _bn(self, bn: nn.BatchNorm1d, h: torch.Tensor, shard: Any, passes: int = 1):
-        """``bn(h)``; in training its running statistics move as for ``passes`` passes."""
-        if shard is not None and bn.training:  # one exchange for all passes
-            return synced_batch_norm(h, bn, shard, passes)
-        out = bn(h)
-        if bn.training and bn.track_running_stats:
-            with torch.no_grad():  # the other passes' updates of the running statistics
-                for _ in range(passes - 1):
-                    bn(h.detach())
-        return out
-
-    def _trunk(self, x: torch.Tensor | SparseRows, passes: int = 1, shard: Any = None):
+    def _trunk(self, x: torch.Tensor | SparseRows, passes: int = 1) -> torch.Tensor:
         """Linear -> BatchNorm -> ReLU: everything before the first dropout. In training, the
         BatchNorm's running statistics move as for ``passes`` passes of the batch.
         """
         h = first_linear(self.net[0], x)
-        return self.net[2](self._bn(self.net[1], h, shard, passes))
+        return self.net[2](self.net[1](h, passes))
 
-    def _block2(self, h: torch.Tensor, shard: Any = None) -> torch.Tensor:
+    def _block2(self, h: torch.Tensor) -> torch.Tensor:
         """Dropout -> Linear -> BatchNorm -> ReLU -> Dropout."""
         for layer in self.net[3:]:
-            if isinstance(layer, nn.Dropout):
-                h = dropout(h, layer.p, self.training, shard)
-            elif isinstance(layer, nn.BatchNorm1d):
-                h = self._bn(layer, h, shard)
-            else:
-                h = layer(h)
+            h = layer(h)
         return h
 
-    def forward_views(
-        self, x: torch.Tensor | SparseRows, shard: Any = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_views(self, x: torch.Tensor | SparseRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Two forward passes of the same cells that differ only in their dropout masks (ORCA's
         two views of a cell), sharing the computation before the first dropout: the first
         layer (the costliest, ``G x h1``) runs once. Same values and gradients as two calls of
         :meth:`forward`, and the first BatchNorm's running statistics move as they would for
         two passes. Returns the two ``(B, D)`` embeddings.
         """
-        a = self._trunk(x, passes=2, shard=shard)
-        return self._block2(a, shard), self._block2(a, shard)
+        a = self._trunk(x, passes=2)
+        return self._block2(a), self._block2(a)
 
 
 class NormedLinear(nn.Module):
@@ -287,21 +297,21 @@ class OrcaNet(nn.Module):
         self.backbone = MLPBackbone(n_genes, hidden_dims, dropout)
         self.head = NormedLinear(hidden_dims[1], n_heads)
 
-    def forward(self, x: torch.Tensor | SparseRows, views: int = 1, shard: Any = None):
+    def forward(self, x: torch.Tensor | SparseRows, views: int = 1):
         """``(logits (B, K), features (B, D))``; with ``views=2`` that pair for each of two
-        dropout masks (see :meth:`forward_views`). ``shard``: see :meth:`MLPBackbone.forward`.
-        (One entry point, so that a ``DistributedDataParallel`` wrapper sees every call.)
+        dropout masks (see :meth:`forward_views`). (One entry point, so that a
+        ``DistributedDataParallel`` wrapper sees every call.)
         """
         if views == 2:
-            return self.forward_views(x, shard)
-        z = self.backbone(x, shard)  # (B, D)
+            return self.forward_views(x)
+        z = self.backbone(x)  # (B, D)
         return self.head(z), z  # (B, K) logits, (B, D) features
 
-    def forward_views(self, x: torch.Tensor | SparseRows, shard: Any = None):
+    def forward_views(self, x: torch.Tensor | SparseRows):
         """:meth:`forward` twice, with two dropout masks (see :meth:`MLPBackbone.forward_views`):
         ``((logits, features), (logits2, features2))``.
         """
-        z1, z2 = self.backbone.forward_views(x, shard)
+        z1, z2 = self.backbone.forward_views(x)
         return (self.head(z1), z1), (self.head(z2), z2)
 
     @property

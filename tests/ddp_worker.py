@@ -42,7 +42,8 @@ def _one_step(data, cfg, comm, layout="dense", n=300, sizes=None):
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from orca_sc._train import Phase, _losses
+    from orca_sc._dist import sharded
+    from orca_sc._train import orca_loss_terms
     from orca_sc.module import OrcaNet
 
     shape = (len(data.domain_names), data.X.shape[1])
@@ -61,8 +62,9 @@ def _one_step(data, cfg, comm, layout="dense", n=300, sizes=None):
     net.train()
     torch.manual_seed(1)
     gen = torch.Generator().manual_seed(2)
-    loss = _losses(model, cells.batch(rows), y, 0.2, Phase(full=True), cfg, gen, shard)
-    loss[0].backward()
+    with sharded(shard):  # as the training engine runs a step
+        loss = orca_loss_terms(model, cells.batch(rows), y, 0.2, cfg, gen, full=True)
+        loss[0].backward()
     grads = {k: p.grad.detach().clone() for k, p in net.named_parameters()}
     stats = {k: v.detach().clone() for k, v in net.state_dict().items() if "running" in k}
     return float(loss[0].detach()), grads, stats

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, assert_cli_error
 
 import orca_sc
 from orca_sc import OrcaInputError
@@ -383,3 +383,68 @@ def test_scaling_from_disk_writes_the_simulation_once(tmp_path):
     mtime = files[0].stat().st_mtime_ns
     B.run_scaling((), n_genes=300, disk_sizes=(1500,), workdir=tmp_path, progress=False)
     assert files[0].stat().st_mtime_ns == mtime  # read again, not rewritten
+
+
+@pytest.fixture(scope="module")
+def orca_suite_run(tmp_path_factory):
+    """ORCA alone on one suite task with an override (the before/after run of a change)."""
+    out = tmp_path_factory.mktemp("suite") / "orca"
+    r = CliRunner().invoke(
+        main,
+        ["benchmark", "--suite", "dev", "--quick", "--only", "query150", "--method", "ORCA",
+         "--seeds", "0", "--set", "novelty_folds=0", "--set", "anchor_weight=0.3",
+         "--outdir", str(out), "-q"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_orca_alone_on_the_suite_carries_every_figure_and_its_overrides(orca_suite_run):
+    runs = pd.read_csv(orca_suite_run / "runs.csv")
+    assert list(runs["task"]) == ["sim_query150"] and list(runs["method"]) == ["ORCA"]
+    for col in ("novel_called", "known_called_novel", "all_acc", "novel_found", "peak_mb",
+                "warmup_steps", "open_world_stopped", "ev_supported_clusters", "threshold"):  # fmt: skip
+        assert col in runs, col
+    # novelty_folds=0 took effect: no novelty test, so no p-value figures
+    assert "known_p_below_alpha" not in runs
+    settings = (orca_suite_run / "settings.json").read_text()
+    assert '"novelty_folds": 0' in settings and '"anchor_weight": 0.3' in settings
+
+
+def test_compare_makes_the_before_after_tables_and_the_drops_check(orca_suite_run, tmp_path):
+    before = orca_suite_run / "runs.csv"
+    r = CliRunner().invoke(main, ["compare", str(before), str(before), "--check"])
+    assert r.exit_code == 0, r.output
+    assert "Tasks failing the check: 0 of 1" in r.stdout and "| novel→novel ≥ 0.9 |" in r.stdout
+    worse = pd.read_csv(before)
+    worse["known_called_novel"] += 0.1
+    worse["all_acc"] -= 0.05
+    after = tmp_path / "after.csv"
+    worse.to_csv(after, index=False)
+    md = tmp_path / "cmp.md"
+    r = CliRunner().invoke(main, ["compare", str(before), str(after), "--check", "--out", str(md)])
+    assert r.exit_code == 1
+    assert "| sim_query150 | known_called_novel |" in r.stdout
+    assert "| sim_query150 | all_acc |" in r.stdout
+    assert "Tasks failing the check: 1 of 1" in md.read_text()
+    # without --check the tables are printed and the exit is clean
+    assert CliRunner().invoke(main, ["compare", str(before), str(after)]).exit_code == 0
+
+
+def test_compare_and_suite_options_refuse_bad_input(tmp_path, orca_suite_run):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    runs = str(orca_suite_run / "runs.csv")
+    assert_cli_error(CliRunner().invoke(main, ["compare", str(bad), runs]), "lacks the columns")
+    assert_cli_error(
+        CliRunner().invoke(main, ["compare", str(tmp_path / "none.csv"), runs]), "cannot be read"
+    )
+    out = ["--outdir", str(tmp_path / "o")]
+    for args, msg in [
+        (["--set", "novelty_folds=0"], "apply to ORCA alone"),
+        (["--method", "ORCA", "--set", "no_such_option=1"], "no_such_option"),
+        (["--method", "ORCA", "--set", "epochs"], "is not key=value"),
+        (["--suite", "dev", "--only", "no_such_task"], "no task name contains"),
+    ]:
+        assert_cli_error(CliRunner().invoke(main, ["benchmark", "--quick", *args, *out]), msg)
+        assert not (tmp_path / "o").exists()

@@ -237,7 +237,7 @@ def test_import_and_help_do_not_load_the_heavy_stack():
         "assert 'torch' in sys.modules\n"
         "assert orca_sc.tl.annotate and orca_sc.metrics.report and 'tl' in dir(orca_sc)\n"
         "assert all(getattr(orca_sc, n) is not None for n in orca_sc.__all__)\n"
-        "from orca_sc._train import TrainingDivergedError as T\n"
+        "from orca_sc._errors import TrainingDivergedError as T\n"
         "assert T is TrainingDivergedError\n"
         "try:\n"
         "    orca_sc.no_such_name\n"

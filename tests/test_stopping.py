@@ -11,7 +11,7 @@ from conftest import LABELS_ONLY, open_world
 
 import orca_sc
 from orca_sc import OrcaConfig
-from orca_sc._train import CellMatrix, StopRule, _Stopping, stop_rule
+from orca_sc._train import CellMatrix, StopRule, stop_rule, stop_state
 
 
 def _cells(n=40, g=5):
@@ -22,7 +22,7 @@ def _cells(n=40, g=5):
 
 def test_checks_fall_every_so_many_steps_across_epochs():
     rule = StopRule(np.arange(10), tolerance=0.01, every=25, min_steps=0)
-    state = _Stopping(rule, _cells(), None)
+    state = stop_state(rule, _cells(), None)
     batches = [np.arange(2)] * 10  # an epoch of 10 steps
     cuts = []
     for _ in range(3):
@@ -33,7 +33,7 @@ def test_checks_fall_every_so_many_steps_across_epochs():
             cuts.append(state.steps)
     # a window ends at every check (25, 50) and at every epoch's end (10, 20, 30)
     assert cuts == [10, 20, 25, 30]
-    assert _Stopping(None, _cells(), None).windows(batches) == [batches]
+    assert stop_state(None, _cells(), None).windows(batches) == [batches]
 
 
 def test_the_sample_is_fixed_by_the_seed_and_tolerance_zero_is_the_schedule():

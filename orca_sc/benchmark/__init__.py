@@ -2,6 +2,9 @@
 baselines, time and memory, scaling, and a Markdown/CSV/plot report (``orca-sc benchmark``).
 """
 
+from ._compare import Comparison, compare_columns, compare_runs, orca_runs
+from ._devsuite import config_overrides, orca_row, run_orca_suite
+from ._hooks import Callback, StageTimer, StopTrace, observe
 from ._methods import (
     DEFAULT_METHODS,
     METHODS,
@@ -10,6 +13,8 @@ from ._methods import (
     Method,
     MethodUnavailable,
     annotate_task,
+    confidence_figures,
+    novelty_test_shares,
 )
 from ._report import markdown, write_report, write_scaling
 from ._run import BenchmarkResult, PeakMemory, run_benchmark, score, summarize_runs
@@ -36,6 +41,19 @@ from ._suite import (
 from ._tasks import TaskSpec, builtin_tasks, reversed_tasks
 
 __all__ = [
+    "Comparison",
+    "compare_columns",
+    "compare_runs",
+    "config_overrides",
+    "confidence_figures",
+    "novelty_test_shares",
+    "orca_row",
+    "orca_runs",
+    "run_orca_suite",
+    "Callback",
+    "StageTimer",
+    "StopTrace",
+    "observe",
     "DEFAULT_METHODS",
     "METHODS",
     "QUICK_METHODS",

@@ -14,6 +14,7 @@ from ._augment import AugmentSpec, color_jitter, random_crop, random_flip, rando
 from ._checkpoint import load_checkpoint, load_orca
 from ._data import ImageData, imagenet100_classes, load_images
 from ._nets import SmallCNN, VisionOrcaNet, freeze_all_but_last_block, resnet18, resnet50
+from ._report import write_report
 from ._split import OpenWorldSplit, open_world_split
 from ._train import (
     METHOD_NAMES,
@@ -62,4 +63,5 @@ __all__ = [
     "resnet50",
     "score",
     "train_orca",
+    "write_report",
 ]

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import metrics as M
+from .._engine import Callback, fit_phase
 from .._errors import ConfigError, OrcaInputError
-from .._train import TrainingDivergedError, epoch_bar, resolve_device
+from .._train import resolve_device
 from ..module import adaptive_margin, orca_objective
 from ._data import ImageData, ImageSource
 from ._nets import ARCHS, Projector, VisionOrcaNet, freeze_all_but_last_block, make_backbone
@@ -331,6 +332,136 @@ def _restore(state, meta, modules: dict, opt, sched, streams: _Streams) -> tuple
     return list(meta["history"]), int(meta["epoch"])
 
 
+class _ImageBatches:
+    """The mini-batches of an image run, drawn from ``rng``: ORCA's (``labelled`` and
+    ``unlabelled`` images mixed in proportion in ``steps`` batches) or SimCLR's (all ``n``
+    images in batches of ``batch_size``, the last incomplete one dropped).
+    """
+
+    def __init__(self, source: ImageSource, device, workers: int, rng, *, labelled=None,
+                 unlabelled=None, steps: int = 0, n: int = 0, batch_size: int = 0) -> None:  # fmt: skip
+        self.source, self.device, self.workers, self.rng = source, device, workers, rng
+        self.labelled, self.unlabelled, self.steps = labelled, unlabelled, steps
+        self.n, self.batch_size = n, batch_size
+        self.images = 0  # images in the last epoch's batches
+
+    def epoch(self, epoch: int) -> list[np.ndarray]:
+        if self.labelled is None:
+            perm, bs = self.rng.permutation(self.n), self.batch_size
+            batches = [perm[i : i + bs] for i in range(0, self.n - bs + 1, bs)]
+        else:
+            lab = np.array_split(self.rng.permutation(self.labelled), self.steps)
+            unl = np.array_split(self.rng.permutation(self.unlabelled), self.steps)
+            batches = [np.concatenate([a, b]) for a, b in zip(lab, unl, strict=True)]
+            batches = [b for b in batches if b.size >= 2]
+        self.images = sum(b.size for b in batches)
+        return batches
+
+    def load(self, batches: list[np.ndarray]):
+        images = self.source.batches(batches, self.device, self.workers)
+        return zip(batches, images, strict=True)
+
+
+class _ImageOrcaLoss:
+    """ORCA's objective on two augmented views of each image; the margin from the unlabelled
+    images' mean uncertainty ``u_conf`` (their max softmax, refreshed after every epoch).
+    """
+
+    terms = ("loss", "supervised", "pairwise", "regularizer")
+
+    def __init__(self, config: VisionConfig, targets, aug, streams, opt, u_conf) -> None:
+        self.config, self.targets, self.aug, self.streams, self.opt = (
+            config, targets, aug, streams, opt,
+        )  # fmt: skip
+        self.u_conf = u_conf
+        self.margin = 0.0
+
+    def start_epoch(self, net, epoch: int) -> dict:
+        c = self.config
+        u = float(1.0 - self.u_conf.mean()) if self.u_conf.size else 0.0
+        self.margin = adaptive_margin(c.margin, u, c.lam, c.max_margin, c.fixed_margin)
+        return {"uncertainty": u, "margin": self.margin, "lr": self.opt.param_groups[0]["lr"]}
+
+    def may_stop(self, epoch: int) -> bool:
+        return True
+
+    def __call__(self, model, item):
+        idx, x = item
+        y = self.targets[torch.as_tensor(idx, device=self.targets.device)]
+        v1 = self.aug.orca_view(x, self.streams.aug)
+        v2 = self.aug.orca_view(x, self.streams.aug)
+        with _autocast(x.device, self.config.amp):
+            logits, feat = model(v1)
+            logits2, _ = model(v2)
+        c = self.config
+        return tuple(orca_objective(
+            logits.float(), logits2.float(), feat.float(), y, self.margin,
+            eta1=c.eta1, eta2=c.eta2, generator=self.streams.pairs,
+        ))  # fmt: skip
+
+
+class _SimclrLoss:
+    """SimCLR's NT-Xent loss on two augmented views of each image (``model``: backbone then
+    projector).
+    """
+
+    terms = ("loss",)
+
+    def __init__(self, config: PretrainConfig, aug, streams, opt) -> None:
+        self.config, self.aug, self.streams, self.opt = config, aug, streams, opt
+
+    def start_epoch(self, net, epoch: int) -> dict:
+        return {"lr": self.opt.param_groups[0]["lr"]}
+
+    def may_stop(self, epoch: int) -> bool:
+        return True
+
+    def __call__(self, model, item):
+        _, x = item
+        v1, v2 = (
+            self.aug.simclr_view(x, self.streams.aug),
+            self.aug.simclr_view(x, self.streams.aug),
+        )
+        with _autocast(x.device, self.config.amp):
+            z = model(torch.cat([v1, v2]))
+        z1, z2 = z.float().chunk(2)
+        return (nt_xent(z1, z2, self.config.temperature),)
+
+
+class _ImageEpochEnd(Callback):
+    """After each epoch of an image run: the learning-rate schedule's step, images per
+    second, the scores (``score(epoch)``: entries for the record, ORCA only) and the
+    checkpoint (``save(epochs_done)``, with a ``checkpoint`` path).
+    """
+
+    def __init__(self, sched, loss, batches: _ImageBatches, checkpoint, save) -> None:
+        self.sched, self.loss, self.batches, self.checkpoint, self.save = (
+            sched, loss, batches, checkpoint, save,
+        )  # fmt: skip
+        self.score = None
+
+    def on_epoch_end(self, phase: str, net, record: dict) -> None:
+        t_end = time.perf_counter()
+        self.sched.step()
+        train_s = record["seconds"]
+        record["train_seconds"] = train_s
+        record["images_per_s"] = self.batches.images / train_s
+        if self.score is not None:
+            record.update(self.score(record["epoch"] - 1))
+        record["seconds"] = train_s + time.perf_counter() - t_end
+        if self.checkpoint is not None:
+            self.save(record["epoch"])
+
+
+def _score_epoch(net, data, split, dev, config, epoch: int, loss: _ImageOrcaLoss) -> dict:
+    """:func:`score` after ``epoch`` (the test split every epoch with ``eval_test``, else the
+    last); the unlabelled images' max softmax sets the next epoch's margin.
+    """
+    test = config.eval_test or epoch + 1 == config.epochs
+    scores, loss.u_conf = score(net, data, split, dev, test=test, workers=config.workers)
+    return scores
+
+
 def train_orca(
     data: ImageData,
     config: VisionConfig | None = None,
@@ -383,69 +514,27 @@ def train_orca(
             history, start = _restore(state, meta, {"model": net}, opt, sched, streams)
         run = VisionRun(net, split, config, data.classes, history)
         steps = max(1, math.ceil(len(data.train) / config.batch_size))
-        u_heads, u_conf, _ = predict(
-            net, data.train, aug, dev, split.unlabelled, workers=config.workers
+        _, u_conf, _ = predict(net, data.train, aug, dev, split.unlabelled, workers=config.workers)
+        loss = _ImageOrcaLoss(config, targets, aug, streams, opt, u_conf)
+        batches = _ImageBatches(
+            data.train,
+            dev,
+            config.workers,
+            streams.rng,
+            labelled=split.labelled,
+            unlabelled=split.unlabelled,
+            steps=steps,
         )
-        bar = epoch_bar(range(start, config.epochs), "ORCA (images)", progress)
-        for epoch in bar:
-            t0 = time.perf_counter()
-            u = float(1.0 - u_conf.mean()) if u_conf.size else 0.0
-            margin = adaptive_margin(
-                config.margin, u, config.lam, config.max_margin, config.fixed_margin
-            )
-            lr = opt.param_groups[0]["lr"]
-            net.train()
-            lab_chunks = np.array_split(streams.rng.permutation(split.labelled), steps)
-            unl_chunks = np.array_split(streams.rng.permutation(split.unlabelled), steps)
-            batches = [np.concatenate([a, b]) for a, b in zip(lab_chunks, unl_chunks, strict=True)]
-            batches = [b for b in batches if b.size >= 2]
-            sums = torch.zeros(4, device=dev)
-            for idx, x in zip(
-                batches, data.train.batches(batches, dev, config.workers), strict=True
-            ):
-                y = targets[torch.as_tensor(idx, device=dev)]
-                v1, v2 = aug.orca_view(x, streams.aug), aug.orca_view(x, streams.aug)
-                with _autocast(dev, config.amp):
-                    logits, feat = net(v1)
-                    logits2, _ = net(v2)
-                terms = orca_objective(
-                    logits.float(), logits2.float(), feat.float(), y, margin,
-                    eta1=config.eta1, eta2=config.eta2, generator=streams.pairs,
-                )  # fmt: skip
-                opt.zero_grad(set_to_none=True)
-                terms.loss.backward()
-                opt.step()
-                sums += torch.stack([t.detach() for t in terms])
-            sched.step()
-            sums = (sums / max(1, len(batches))).tolist()  # one host sync per epoch
-            if not math.isfinite(sums[0]):
-                raise TrainingDivergedError(
-                    f"The training loss became {sums[0]} at epoch {epoch + 1}; lower lr."
-                )
-            train_s = time.perf_counter() - t0
-            test = config.eval_test or epoch + 1 == config.epochs
-            scores, u_conf = score(net, data, split, dev, test=test, workers=config.workers)
-            rec = {
-                "epoch": epoch + 1, "loss": sums[0], "supervised": sums[1], "pairwise": sums[2],
-                "regularizer": sums[3], "uncertainty": u, "margin": margin, "lr": lr,
-                "train_seconds": train_s, "images_per_s": sum(b.size for b in batches) / train_s,
-            }  # fmt: skip
-            rec.update(scores)
-            rec["seconds"] = time.perf_counter() - t0
-            history.append(rec)
-            bar.set_postfix(
-                loss=f"{rec['loss']:.3f}", seen=f"{rec['u_seen']:.3f}", novel=f"{rec['u_novel']:.3f}",
-                refresh=False,
-            )  # fmt: skip
-            if checkpoint is not None:
-                rng_state, np_state = streams.state()
-                C.save_checkpoint(
-                    checkpoint,
-                    {"model": net.state_dict(), "optimizer": opt.state_dict(),
-                     "scheduler": sched.state_dict(), "rng": rng_state},
-                    C.orca_meta(run, data, epoch + 1, np_state),
-                )  # fmt: skip
-        bar.close()
+        end = _ImageEpochEnd(sched, loss, batches, checkpoint, lambda e: C.save_checkpoint(
+            checkpoint, {"model": net.state_dict(), "optimizer": opt.state_dict(),
+                         "scheduler": sched.state_dict(), "rng": streams.state()[0]},
+            C.orca_meta(run, data, e, streams.state()[1]),
+        ))  # fmt: skip
+        end.score = lambda epoch: _score_epoch(net, data, split, dev, config, epoch, loss)
+        fit_phase(
+            net, loss, batches, opt, range(start, config.epochs), phase="orca (images)",
+            callbacks=[end], history=history, desc="ORCA (images)", progress=progress,
+        )  # fmt: skip
     net.eval()
     return run
 
@@ -510,46 +599,19 @@ def pretrain_simclr(
         run = PretrainRun(backbone, projector, config, history)
         n = len(data.train)
         bs = min(config.batch_size, n)
-        bar = epoch_bar(range(start, config.epochs), "SimCLR", progress)
-        for epoch in bar:
-            t0 = time.perf_counter()
-            backbone.train()
-            projector.train()
-            perm = streams.rng.permutation(n)
-            batches = [perm[i : i + bs] for i in range(0, n - bs + 1, bs)]  # drop the last
-            lr = opt.param_groups[0]["lr"]
-            total = torch.zeros((), device=dev)
-            for x in data.train.batches(batches, dev, config.workers):
-                v1, v2 = aug.simclr_view(x, streams.aug), aug.simclr_view(x, streams.aug)
-                with _autocast(dev, config.amp):
-                    z = projector(backbone(torch.cat([v1, v2])))
-                z1, z2 = z.float().chunk(2)
-                loss = nt_xent(z1, z2, config.temperature)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                total += loss.detach()
-            sched.step()
-            mean = float(total) / max(1, len(batches))
-            if not math.isfinite(mean):
-                raise TrainingDivergedError(
-                    f"The SimCLR loss became {mean} at epoch {epoch + 1}; lower lr."
-                )
-            secs = time.perf_counter() - t0
-            rec = {"epoch": epoch + 1, "loss": mean, "lr": lr, "seconds": secs,
-                   "images_per_s": len(batches) * bs / secs}  # fmt: skip
-            history.append(rec)
-            bar.set_postfix(loss=f"{mean:.3f}", refresh=False)
-            if checkpoint is not None:
-                rng_state, np_state = streams.state()
-                C.save_checkpoint(
-                    checkpoint,
-                    {"backbone": backbone.state_dict(), "projector": projector.state_dict(),
-                     "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                     "rng": rng_state},
-                    C.simclr_meta(run, data, epoch + 1, np_state),
-                )  # fmt: skip
-        bar.close()
+        loss = _SimclrLoss(config, aug, streams, opt)
+        batches = _ImageBatches(data.train, dev, config.workers, streams.rng, n=n, batch_size=bs)
+        end = _ImageEpochEnd(sched, loss, batches, checkpoint, lambda e: C.save_checkpoint(
+            checkpoint, {"backbone": backbone.state_dict(), "projector": projector.state_dict(),
+                         "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                         "rng": streams.state()[0]},
+            C.simclr_meta(run, data, e, streams.state()[1]),
+        ))  # fmt: skip
+        both = torch.nn.Sequential(backbone, projector)
+        fit_phase(
+            both, loss, batches, opt, range(start, config.epochs), phase="simclr",
+            callbacks=[end], history=history, desc="SimCLR", progress=progress,
+        )  # fmt: skip
     backbone.eval()
     return run
 

@@ -1,0 +1,178 @@
+"""Before/after tables of two development-suite runs (``orca-sc compare BEFORE.csv AFTER.csv``).
+
+From the ``runs.csv`` of two runs with the same seeds (ORCA's rows):
+
+1. **Per task**, the mean over seeds (± its seed sd) before → after of seen / novel / all-class
+   accuracy, novel→novel (share of novel-type cells called novel), known→novel (share of
+   known-type cells called novel), novel clusters found against the true number (with the share
+   of runs where it is right) and seconds.
+2. **Goals**, how many tasks meet each, before and after: novel→novel ≥ 0.9, known→novel
+   ≤ 0.05, clusters right in ≥ 70% of runs, seed sd of both ≤ 0.05, all-class accuracy no more
+   than 2 points below before.
+3. **The drops check** of a change that should not move accuracy: per task, the change of the
+   mean of seen / novel / all-class accuracy (a drop of more than 1 point fails), of
+   novel→novel (a drop of more than 2 points fails) and of known→novel (a rise of more than 2
+   points fails), with its paired standard error over the seeds (the runs share seeds, so the
+   splits are the same); a failing change is marked "beyond noise" above two of them.
+4. Where the after run has them, the training steps each phase ran against its schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+METRICS = ["seen_acc", "novel_acc", "all_acc", "novel_called", "known_called_novel", "novel_found"]
+
+#: metric, worse direction (-1: a drop is worse, +1: a rise is worse), allowed change
+DROPS = [
+    ("seen_acc", -1, 0.01),
+    ("novel_acc", -1, 0.01),
+    ("all_acc", -1, 0.01),
+    ("novel_called", -1, 0.02),
+    ("known_called_novel", +1, 0.02),
+]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The report (Markdown) and the tasks failing the drops check (and those beyond noise)."""
+
+    markdown: str
+    n_tasks: int
+    failing: tuple[str, ...]
+    beyond_noise: tuple[str, ...]
+
+
+def compare_columns() -> list[str]:
+    """The columns :func:`compare_runs` reads from a suite's runs."""
+    return [*METRICS, "novel_true", "seconds"]
+
+
+def orca_runs(runs: pd.DataFrame, prefix: str = "") -> pd.DataFrame:
+    """ORCA's rows of a suite's runs; ``prefix``: read the figures from the columns of that
+    prefix (``per_cell_``: a run with ``majority_vote=True`` keeps the unvoted labels there).
+    """
+    df = runs[runs["method"] == "ORCA"].copy() if "method" in runs else runs.copy()
+    for m in METRICS:
+        if prefix and f"{prefix}{m}" in df:
+            df[m] = df[f"{prefix}{m}"]
+    df["exact"] = (df["novel_found"] == df["novel_true"]).astype(float)
+    return df
+
+
+def compare_runs(before: pd.DataFrame, after: pd.DataFrame) -> Comparison:
+    """The four sections of the module's report for two runs' ORCA rows (:func:`orca_runs`)."""
+    b, a = _per_task(before), _per_task(after)
+    common = [t for t in a.index if t in b.index]
+    b, a = b.loc[common], a.loc[common]
+    lines = [
+        "## Per task (mean ± seed sd, before → after)",
+        "",
+        "| task | seen | novel | all | novel→novel | known→novel | found / true (runs right) "
+        "| seconds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t in common:
+        x, y = b.loc[t], a.loc[t]
+        found = (
+            f"{x.novel_found:.1f} ({x.exact:.0%}) → {y.novel_found:.1f} ({y.exact:.0%}) "
+            f"/ {y.novel_true:.0f}"
+        )
+        lines.append(
+            f"| {t} | {_cell(x.seen_acc, y.seen_acc)} | {_cell(x.novel_acc, y.novel_acc)} "
+            f"| {_cell(x.all_acc, y.all_acc, x.all_acc_sd, y.all_acc_sd)} "
+            f"| {_cell(x.novel_called, y.novel_called, x.novel_called_sd, y.novel_called_sd)} "
+            f"| {_cell(x.known_called_novel, y.known_called_novel, x.known_called_novel_sd, y.known_called_novel_sd)} "
+            f"| {found} | {x.seconds:.1f} → {y.seconds:.1f} |"
+        )
+    gb, ga = _goals(b, b), _goals(a, b)
+    lines += ["", "## Goals", "", "| goal | before | after |", "|---|---|---|"]
+    lines += [f"| {k} | {gb[k]} | {ga[k]} |" for k in gb]
+    drops, failing, beyond = _drops(before, after)
+    lines += ["", "## Drops check", "", *drops]
+    lines += _steps(after)
+    return Comparison("\n".join(lines) + "\n", len(common), failing, beyond)
+
+
+def _per_task(df: pd.DataFrame) -> pd.DataFrame:
+    g = df.groupby("task", sort=False)
+    out = g[[*METRICS, "exact", "seconds", "novel_true"]].mean()
+    sd = g[["novel_called", "known_called_novel", "all_acc"]].std(ddof=0)
+    return out.join(sd, rsuffix="_sd")
+
+
+def _cell(b: float, a: float, bsd: float | None = None, asd: float | None = None) -> str:
+    if np.isnan(a) and np.isnan(b):
+        return "–"
+
+    def sd(s):
+        return "" if s is None or np.isnan(s) or s < 5e-4 else f" ± {s:.2f}"
+
+    return f"{b:.3f}{sd(bsd)} → {a:.3f}{sd(asd)}"
+
+
+def _goals(t: pd.DataFrame, base: pd.DataFrame) -> dict[str, str]:
+    nn = t["novel_called"].dropna()
+    stable = (t["novel_called_sd"].fillna(0) <= 0.05) & (t["known_called_novel_sd"] <= 0.05)
+    drop = (t["all_acc"] < base.loc[t.index, "all_acc"] - 0.02).sum()
+    return {
+        "novel→novel ≥ 0.9": f"{(nn >= 0.9).sum()} of {nn.size}",
+        "known→novel ≤ 0.05": f"{(t['known_called_novel'] <= 0.05).sum()} of {len(t)}",
+        "clusters right in ≥ 70% of runs": f"{(t['exact'] >= 0.7).sum()} of {len(t)}",
+        "runs with clusters right": f"{t['exact'].mean():.0%}",
+        "seed sd of both ≤ 0.05": f"{stable.sum()} of {len(t)}",
+        "all-class accuracy > 2 points below before": f"{drop} of {len(t)}",
+    }
+
+
+def _drops(before: pd.DataFrame, after: pd.DataFrame):
+    m = before.merge(after, on=["task", "seed"], suffixes=("_b", "_a"))
+    lines = ["| task | metric | before | after | change | paired SE | beyond noise |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    failing: list[str] = []
+    beyond: list[str] = []
+    for task, g in m.groupby("task", sort=False):
+        for metric, worse, allowed in DROPS:
+            d = (g[f"{metric}_a"] - g[f"{metric}_b"]).dropna()
+            if d.empty:
+                continue
+            change = float(d.mean())
+            se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else float("nan")
+            if worse * change > allowed + 1e-12:
+                noise = bool(np.isfinite(se) and worse * change > 2 * se)
+                failing += [task] if task not in failing else []
+                beyond += [task] if noise and task not in beyond else []
+                lines.append(
+                    f"| {task} | {metric} | {g[f'{metric}_b'].mean():.3f} | "
+                    f"{g[f'{metric}_a'].mean():.3f} | {change:+.3f} | {se:.3f} | "
+                    f"{'yes' if noise else 'no'} |"
+                )
+    lines += ["", f"Tasks failing the check: {len(failing)} of {m['task'].nunique()}; with a "
+              f"change beyond two paired standard errors: {len(beyond)}."]  # fmt: skip
+    return lines, tuple(failing), tuple(beyond)
+
+
+def _steps(a: pd.DataFrame) -> list[str]:
+    cols = ("warmup_steps", "warmup_max_steps", "open_world_steps", "open_world_max_steps")
+    if not all(c in a for c in cols):
+        return []
+    steps = a.groupby("task", sort=False)[[*cols, "seconds"]].mean()
+    stopped = a.groupby("task", sort=False)["open_world_stopped"].apply(
+        lambda s: int((s == "converged").sum())
+    )
+    lines = ["", "## Training steps (after)", "",
+             "| task | warm-up steps (schedule) | open-world steps (schedule) | "
+             "open-world runs converged | seconds |", "|---|---|---|---|---|"]  # fmt: skip
+    for task, r in steps.iterrows():
+        lines.append(
+            f"| {task} | {r['warmup_steps']:.0f} ({r['warmup_max_steps']:.0f}) | "
+            f"{r['open_world_steps']:.0f} ({r['open_world_max_steps']:.0f}) | "
+            f"{stopped[task]} of {int((a['task'] == task).sum())} | {r['seconds']:.1f} |"
+        )
+    tot = a[["warmup_steps", "open_world_steps"]].sum().sum()
+    cap = a[["warmup_max_steps", "open_world_max_steps"]].sum().sum()
+    lines += ["", f"Steps run: {tot:.0f} of the schedules' {cap:.0f} ({tot / cap:.0%})."]
+    return lines

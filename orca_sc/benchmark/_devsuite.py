@@ -1,0 +1,158 @@
+"""ORCA alone on the development suite, with configuration overrides: the before/after run for
+every change of a default (``orca-sc benchmark --suite dev --method ORCA [--set key=value]``).
+
+One row per task and seed: the suite's figures (:func:`orca_sc.benchmark.score`), the novelty
+test's and the confidence's (:func:`novelty_test_shares`, :func:`confidence_figures`), each
+evidence level of the novel clusters, the self-check's and the size check's where they ran,
+and how long each phase of training ran. :func:`orca_sc.benchmark.compare_runs` makes the
+before/after tables from two of these.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ._methods import annotate_task, confidence_figures, novelty_test_shares
+from ._run import PeakMemory, score
+from ._scaling import training_columns
+from ._tasks import TaskSpec
+
+logger = logging.getLogger(__name__)
+
+
+def config_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["epochs=5", "pair_space=pca"]`` -> ``{"epochs": 5, "pair_space": "pca"}``: values are
+    Python literals where they parse as one, strings otherwise. A pair without ``=`` is a
+    :class:`ValueError`.
+    """
+    overrides: dict[str, Any] = {}
+    for kv in pairs:
+        if "=" not in kv:
+            raise ValueError(f"{kv!r} is not key=value (e.g. epochs=5)")
+        k, v = kv.split("=", 1)
+        try:
+            overrides[k.strip()] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            overrides[k.strip()] = v
+    return overrides
+
+
+def run_orca_suite(
+    specs: Sequence[TaskSpec],
+    seeds: Sequence[int],
+    overrides: dict[str, Any] | None = None,
+    *,
+    task_seed: int | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """ORCA with ``overrides`` on every task of ``specs`` and seed; one row per run (see the
+    module). ``task_seed``: every task's split (labelled cells, hidden types, subsamples) drawn
+    with that seed, only the model's seed varying: the same data, another seed.
+    """
+    rows = []
+    for spec in specs:
+        for seed in seeds:
+            task = spec.make(seed if task_seed is None else task_seed)
+            t0 = time.perf_counter()
+            with warnings.catch_warnings(), PeakMemory() as mem:
+                warnings.simplefilter("ignore")
+                q, sl = annotate_task(task, seed, **(overrides or {}))
+            row = orca_row(spec, task, seed, q, sl, time.perf_counter() - t0)
+            row["peak_mb"] = mem.peak_mb
+            rows.append(row)
+            if progress:
+                logger.info(
+                    " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in
+                             row.items() if k not in ("kind", "method", "error"))
+                )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def orca_row(spec: TaskSpec, task, seed: int, q, rows: slice, seconds: float) -> dict:
+    """The figures of one annotated task ``q`` (its query cells: ``rows``)."""
+    uns = q.uns["orca"]
+    pred = q.obs["orca_label"].astype(str).to_numpy()[rows]
+    return {
+        "task": spec.name,
+        "kind": spec.kind,
+        "method": "ORCA",
+        "family": "ORCA",
+        "seed": seed,
+        "n_query": task.query.n_obs,
+        "novel_true": len(task.novel),
+        "novel_est": uns["n_novel"]["estimated"],
+        "threshold": uns["estimate"].get("threshold"),
+        **_size_check_columns(uns["estimate"].get("size_check")),
+        **score(task.truth, pred, task.seen, True),
+        "seconds": seconds,
+        "error": "",
+        **_self_check_columns(uns.get("self_check")),
+        **novelty_test_shares(q, rows, task),
+        **confidence_figures(q, rows, task),
+        **_per_cell_columns(q, rows, task),
+        **_evidence_columns(q, rows, task),
+        **training_columns(uns),
+    }
+
+
+def _per_cell_columns(q, rows, task) -> dict:
+    """With ``majority_vote=True``: the per-cell labels' figures (``per_cell_*``) beside the
+    voted ones, from the same run, and the share of query cells in mixed clusters.
+    """
+    if "orca_label_per_cell" not in q.obs:
+        return {}
+    per_cell = q.obs["orca_label_per_cell"].astype(str).to_numpy()[rows]
+    figures = score(task.truth, per_cell, task.seen, True)
+    mixed = q.obs["orca_vote_mixed"].to_numpy()[rows]
+    return {**{f"per_cell_{k}": v for k, v in figures.items()},
+            "vote_mixed_share": float(mixed.mean())}  # fmt: skip
+
+
+#: ``uns['orca']['novel_evidence']`` levels, as column names
+EVIDENCE = {"supported": "supported", "cannot tell": "cannot_tell",
+            "not confirmed": "not_confirmed", "not tested": "not_tested"}  # fmt: skip
+
+
+def _evidence_columns(q, rows, task) -> dict:
+    """Per evidence level of the novel clusters (``uns['orca']['novel_evidence']``): how many
+    clusters (``ev_<level>_clusters``), how many of them are mostly cells of known types
+    (``ev_<level>_false``), their cells and their cells of novel types.
+    """
+    ev = q.uns["orca"].get("novel_evidence", {})
+    label = q.obs["orca_label"].astype(str).to_numpy()[rows]
+    novel = ~np.isin(np.asarray(task.truth, dtype=str), task.seen)
+    out = {f"ev_{c}_{k}": 0 for c in EVIDENCE.values()
+           for k in ("clusters", "false", "cells", "novel_cells")}  # fmt: skip
+    for name, level in zip(ev.get("cluster", []), ev.get("evidence", []), strict=True):
+        members = label == name
+        col = EVIDENCE[str(level)]
+        out[f"ev_{col}_clusters"] += 1
+        out[f"ev_{col}_false"] += int(novel[members].mean() < 0.5) if members.any() else 0
+        out[f"ev_{col}_cells"] += int(members.sum())
+        out[f"ev_{col}_novel_cells"] += int(novel[members].sum())
+    return out
+
+
+def _size_check_columns(check: dict | None) -> dict:
+    """Discovery repeated on a sample of large data (``estimate['size_check']``)."""
+    if not check:
+        return {}
+    return {"size_check_sample_candidates": check["sample_candidates"],
+            "size_check_agrees": bool(check["agrees"])}  # fmt: skip
+
+
+def _self_check_columns(check: dict | None) -> dict:
+    """The self-check's figures (``self_check=True``), to set beside the run's own."""
+    if not check or "skipped" in check:
+        return {}
+    keys = ("novel_called", "known_called_novel", "hidden_accuracy", "hidden_clusters_found",
+            "hidden_types_true", "n_known_cells", "threshold", "youden_threshold", "seconds")  # fmt: skip
+    return {f"check_{k}": check[k] for k in keys}

@@ -1,0 +1,67 @@
+"""Hooks that watch a run without changing it (:func:`orca_sc._engine.observe`): seconds per
+stage of the pipeline, and every check of the training's stopping rule.
+
+Used as::
+
+    from orca_sc.benchmark import StageTimer, StopTrace, observe
+
+    with observe(StageTimer()) as (timer,):
+        orca_sc.tl.annotate(query, reference, labels_key="cell_type")
+    print(timer.seconds)
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from .._engine import Callback, StopState, observe
+
+__all__ = ["Callback", "StageTimer", "StopTrace", "observe"]
+
+
+class StageTimer(Callback):
+    """Seconds of each stage of the pipeline (``seconds``, summed over the calls of a stage:
+    the five fold warm-ups count as one entry) and of each phase of training (``phases``:
+    ``"warm-up"``, ``"open-world"``; every warm-up of a run, the side ones included), and how
+    often each ran (``calls``). Stages nest: ``"fold warm-ups"`` is part of
+    ``"novelty test (cross-fit)"``, ``"margin refresh"`` part of the phase it runs in.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: dict[str, int] = collections.defaultdict(int)
+        self.phases: dict[str, float] = collections.defaultdict(float)
+
+    def on_stage_end(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] += seconds
+        self.calls[stage] += 1
+
+    def on_epoch_end(self, phase: str, net: Any, record: dict) -> None:
+        self.phases[phase] += float(record.get("seconds", 0.0))
+
+
+class StopTrace(Callback):
+    """Every check of the stopping rule in every phase: its step, the share of the sampled
+    cells whose head changed, the loss's fall over the last window and two standard errors of
+    it, and the rule's verdict (``rows``, one dict per check; ``context`` is copied into each).
+    With ``run_schedule`` the phases never stop, so that the rule can be traced to the end of
+    the schedule.
+    """
+
+    def __init__(self, run_schedule: bool = False, **context: Any) -> None:
+        self.run_schedule = run_schedule
+        self.context = dict(context)
+        self.rows: list[dict] = []
+        self._phase_no = 0
+
+    def on_phase_start(self, phase: str, net: Any) -> None:
+        self._phase_no += 1
+
+    def on_check(self, phase: str, state: StopState, stop: bool) -> bool:
+        self.rows.append(
+            {**self.context, "phase": f"{self._phase_no}:{phase}", "step": state.steps,
+             "changed": state.changed, "loss_fall": state.loss_fall,
+             "loss_noise": state.loss_noise, "would_stop": stop}
+        )  # fmt: skip
+        return self.run_schedule
