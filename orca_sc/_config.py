@@ -39,8 +39,6 @@ class DiscoveryConfig:
         Share of each seen class's labelled cells held out of the warm-up to calibrate the threshold (0: none).
     calibration_max_cells
         At most this many labelled cells are held out for calibration.
-    calibration_probe
-        Hold them out of a second, probe warm-up instead, which caps the main threshold (cross-fitting).
     self_check
         Hide some known types, run these rules on them and report how they did (``uns['orca']['self_check']``).
     self_check_types
@@ -87,8 +85,6 @@ class DiscoveryConfig:
         Level of the conformal novelty test: known-type cells exchangeable with the reference get p <= alpha at most this often.
     novelty_folds
         Folds of labelled cells cross-fitting the novelty p-values (one warm-up each; 0: no p-values).
-    ood_ensemble
-        Further warm-ups on every label, each with its own seed, that vote with the main one on which cells are out-of-distribution (0: none).
 
     """
 
@@ -96,7 +92,6 @@ class DiscoveryConfig:
     ood_max_rate: float = 0.1
     calibration_fraction: float = 0.0
     calibration_max_cells: int = 2000
-    calibration_probe: bool = False
     self_check: bool = False
     self_check_types: float = 0.25
     self_check_known: float = 0.2
@@ -120,7 +115,6 @@ class DiscoveryConfig:
     no_warmup_rel_threshold: float = 0.1
     novelty_alpha: float = 0.05
     novelty_folds: int = 5
-    ood_ensemble: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
@@ -163,12 +157,8 @@ class DiscoveryConfig:
         folds = self.novelty_folds
         if not _is_int(folds) or folds < 0 or folds == 1:
             _invalid("novelty_folds", folds, "0 (no p-values) or an integer >= 2")
-        if not isinstance(self.calibration_probe, bool):
-            _invalid("calibration_probe", self.calibration_probe, "True or False")
         if not isinstance(self.self_check, bool):
             _invalid("self_check", self.self_check, "True or False")
-        if not _is_int(self.ood_ensemble) or self.ood_ensemble < 0:
-            _invalid("ood_ensemble", self.ood_ensemble, "a non-negative integer")
         thr = self.merge_threshold
         if thr is not None and not (_is_number(thr) and 0 < thr <= 1):
             _invalid("merge_threshold", thr, "a number in (0, 1] or None")
@@ -189,7 +179,9 @@ class DiscoveryConfig:
 
 #: options of discovery rules that were removed because they did not pay on the development
 #: suite (docs/discovery.md); a model file that still has them loads without them
-_RETIRED_KEYS = frozenset({"min_cluster_cells", "min_cluster_fraction"})
+_RETIRED_KEYS = frozenset(
+    {"min_cluster_cells", "min_cluster_fraction", "calibration_probe", "ood_ensemble"}
+)
 
 #: names of the :class:`DiscoveryConfig` fields (accepted as keywords by ``annotate``)
 DISCOVERY_FIELDS = frozenset(f.name for f in dataclasses.fields(DiscoveryConfig))

@@ -77,21 +77,29 @@ def _assemble(
     confidence calibrated, the novelty test and majority vote applied.
     """
     data = fit.data
-    model = OrcaModel._from_fit(fit)
-    naming = model.name_novel_heads(data, model.assign_heads(fit.probs))
-    model.calibrate_novelty(fit.embedding[data.labeled])
-    head = model.canonical_heads(model.assign_heads(fit.probs))  # pruned heads excluded
-    model.similarity = _novel_similarity(fit, head, model.head_names, model.novel_names)
-    sizes = np.bincount(head[~data.labeled], minlength=len(model.head_names))
-    novel_sizes = {n: int(sizes[model.head_names.index(n)]) for n in model.novel_names}
-    model.card = model_card(fit, novel_sizes, labels_key)
+    classes = list(data.classes)
+    # every head the run trained, named: the novel ones from the cells they won
+    trained = classes + [f"_head{i}" for i in range(fit.found.n_heads)]
+    head_names, naming = name_heads_of_fit(fit, best_head(fit.probs, trained))
+    head = canonical_heads(head_names, best_head(fit.probs, head_names))  # pruned heads excluded
+    novel_names = novel_names_of(head_names, classes)
+    sizes = np.bincount(head[~data.labeled], minlength=len(head_names))
+    novel_sizes = {n: int(sizes[head_names.index(n)]) for n in novel_names}
+    confidence, calibration, confidence_map = _confidence(fit, head, len(classes))
+    model = OrcaModel(
+        fit.net, fit.config, data.genes, classes, head_names, fit.centroids, fit.history,
+        novelty_quantiles=novelty_quantiles(fit.net, len(classes), fit.embedding[data.labeled]),
+        similarity=_novel_similarity(fit, head, head_names, novel_names),
+        alignment=jsonable(fit.transform.info), estimate=jsonable(fit.found.record()),
+        trained_with=__version__, confidence_map=confidence_map,
+        card=model_card(fit, novel_sizes, labels_key),
+    )  # fmt: skip
     mode = "single" if reference is None else "reference"
     out = data.output_rows
     labels = model.labels_for(head)
-    test = novelty_test(fit.novelty_pvalues, labels, data.labeled, model.novel_names, cfg.discovery)
+    test = novelty_test(fit.novelty_pvalues, labels, data.labeled, novel_names, cfg.discovery)
     for note in test.notes if test is not None else []:
         logger.warning(note)
-    confidence, calibration = _confidence(fit, head, model)
     uns = annotate_uns(fit, model, head, naming, labels_key, mode, test, calibration)
     if (note := evidence_note(uns["novel_evidence"])) is not None:
         logger.warning(note)
@@ -132,21 +140,102 @@ def _majority_vote(fit: Fit, labels: np.ndarray) -> Vote:
     return Vote(voted, cluster, mixed, v.record)
 
 
-def _confidence(fit: Fit, head: np.ndarray, model: OrcaModel) -> tuple[np.ndarray, dict[str, Any]]:
-    """Every cell's confidence and its record for ``uns``: for cells labelled a known type by a
-    seen head, the calibrated probability that the label is right (:mod:`orca_sc._calibration`;
-    the map is kept in ``model.confidence_map`` for ``predict``); for cells of novel clusters
-    (and all cells without the cross-fitted warm-ups, ``novelty_folds=0``) the final net's
-    probability of the cell's head.
+def _confidence(fit: Fit, head: np.ndarray, n_seen: int):
+    """Every cell's confidence, its record for ``uns`` and the map that ``predict`` applies
+    (``None``: not calibrated): for cells labelled a known type by a seen head, the calibrated
+    probability that the label is right (:mod:`orca_sc._calibration`); for cells of novel
+    clusters (and all cells without the cross-fitted warm-ups, ``novelty_folds=0``) the final
+    net's probability of the cell's head.
     """
     final = fit.probs[np.arange(head.size), head]
     if fit.fold_predictions is None:
-        return final, {"calibrated": False, "meaning": CONFIDENCE_MEANING[False]}
-    known = head < len(model.classes)
-    cal = calibrate(fit.fold_predictions, final, known)
-    model.confidence_map = cal.transfer
+        return final, {"calibrated": False, "meaning": CONFIDENCE_MEANING[False]}, None
+    cal = calibrate(fit.fold_predictions, final, head < n_seen)
     record = {"calibrated": True, "meaning": CONFIDENCE_MEANING[True], **cal.record}
-    return cal.confidence, record
+    return cal.confidence, record, cal.transfer
+
+
+def best_head(probs: np.ndarray, head_names: list[str | None]) -> np.ndarray:
+    """Most probable head of each cell among the kept heads (a ``None`` name: pruned, never
+    wins).
+    """
+    kept = np.array([n is not None for n in head_names])
+    return np.where(kept[None, :], probs, -1.0).argmax(axis=1)
+
+
+def canonical_heads(head_names: list[str | None], head: np.ndarray) -> np.ndarray:
+    """``head`` with every head replaced by the first head of the same name (novel heads that
+    are one type in several batches share a name).
+    """
+    first: dict[str | None, int] = {}
+    for i, n in enumerate(head_names):
+        first.setdefault(n, i)
+    canon = np.array([first[n] if n is not None else i for i, n in enumerate(head_names)])
+    return canon[head]
+
+
+def novel_names_of(head_names: list[str | None], classes: list[str]) -> list[str]:
+    """Names of the novel clusters (kept novel heads): ``novel_1`` (largest), ``novel_2``, ...;
+    a novel head merged into a known type carries that type's name and is not one.
+    """
+    known = set(classes)
+    names = {n for n in head_names[len(classes) :] if n is not None and n not in known}
+    return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]))
+
+
+def seen_cosine(net: OrcaNet, n_seen: int, embedding: np.ndarray) -> np.ndarray:
+    """Each cell's cosine to its nearest seen-class head of ``net``, ``(n,)``, from its
+    L2-normalised ``embedding`` ``(n, D)``.
+    """
+    w = net.head.weight.detach().cpu().numpy()[:n_seen]
+    w = w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
+    return (embedding @ w.T).max(axis=1)
+
+
+def novelty_quantiles(net: OrcaNet, n_seen: int, embedding: np.ndarray) -> list[float]:
+    """1,001 quantiles of the labelled cells' cosine to their nearest seen head (``embedding``
+    of the labelled cells), against which :meth:`OrcaModel.novelty` scores cells.
+    """
+    cos = seen_cosine(net, n_seen, embedding)
+    return np.quantile(cos, np.linspace(0, 1, 1001)).tolist()
+
+
+def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Naming]:
+    """Every head's name from the training cells' heads ``head``: novel clusters that are a
+    known type of another batch carry its name (:func:`orca_sc._discover.match_known_types`),
+    the others are ``novel_1``, ``novel_2``, ... by size; heads without cells are pruned
+    (``None``). Also the record of the merges.
+    """
+    data, classes = fit.data, list(fit.data.classes)
+    n_seen, n_novel = len(classes), fit.found.n_heads
+    unl = ~data.labeled
+    counts = np.bincount(head[unl], minlength=n_seen + n_novel)[n_seen:]
+    pairs = []
+    threshold = fit.config.discovery.merge_threshold
+    if threshold is not None and n_novel > 0:
+        clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
+        pairs = match_known_types(
+            data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold
+        )
+    same = []
+    if threshold is not None and n_novel > 1:  # one novel type found in several batches
+        into_known = {h for h, _, _ in pairs}
+        clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
+        clusters[np.isin(clusters, list(into_known))] = -1
+        same = match_novel_across_batches(data.X, data.domain, clusters, n_novel, threshold)
+    head_names, order = name_heads(counts, classes, pairs, same)
+    merged = {
+        "cluster": [f"head_{h}" for h, _, _ in pairs],
+        "type": [classes[k] for _, k, _ in pairs],
+        "n_cells": [int(counts[h]) for h, _, _ in pairs],
+        "correlation": [round(r, 4) for _, _, r in pairs],
+    }
+    return head_names, Naming(merged, order, {
+        "cluster": [f"head_{a}" for a, _, _ in same],
+        "same_as": [f"head_{b}" for _, b, _ in same],
+        "name": [head_names[n_seen + b] for _, b, _ in same],
+        "correlation": [round(r, 4) for _, _, r in same],
+    })  # fmt: skip
 
 
 #: what ``obs['orca_confidence']`` means, calibrated or not (``uns['orca']['confidence']``)
@@ -164,7 +253,7 @@ class OrcaModel:
     (``novel_1`` = largest) or ``None`` for heads that received no cells during training. A novel
     head whose cluster matched a known type of another batch carries that type's name.
     ``novelty_quantiles``: 1,001 quantiles of the labelled cells' cosine to their nearest seen
-    head (:meth:`novelty`; empty until :meth:`calibrate_novelty`); ``similarity``:
+    head (:meth:`novelty`; empty: no novelty score); ``similarity``:
     see :meth:`novel_similarity`; ``alignment`` and ``estimate``: the training run's alignment
     and discovery records; ``trained_with``: the orca_sc version that trained it;
     ``confidence_map``: isotonic knots ``(x, y)`` from a cell's maximum probability to its
@@ -228,17 +317,6 @@ class OrcaModel:
         model, _ = train(adata, reference, labels_key, cfg)
         return model
 
-    @classmethod
-    def _from_fit(cls, fit: Fit) -> OrcaModel:
-        """The model of a training run, its novel heads not yet named."""
-        data, n_heads = fit.data, fit.found.n_heads
-        names = list(data.classes) + [f"_head{i}" for i in range(n_heads)]
-        return cls(
-            fit.net, fit.config, data.genes, data.classes, names, fit.centroids, fit.history,
-            alignment=jsonable(fit.transform.info), estimate=jsonable(fit.found.record()),
-            trained_with=__version__,
-        )  # fmt: skip
-
     # -------------------------------------------------------------------------------- inference
     def predict_arrays(
         self,
@@ -258,77 +336,25 @@ class OrcaModel:
 
     def assign_heads(self, probs: np.ndarray) -> np.ndarray:
         """Most probable head of each cell among the kept heads (pruned heads never win)."""
-        kept = np.array([n is not None for n in self.head_names])
-        return np.where(kept[None, :], probs, -1.0).argmax(axis=1)
-
-    def name_novel_heads(self, data: Any, head: np.ndarray) -> Naming:
-        """Name every head from the training cells' heads ``head``: novel clusters that are a
-        known type of another batch carry its name (:func:`orca_sc._discover.match_known_types`),
-        the others are ``novel_1``, ``novel_2``, ... by size; heads without cells are pruned.
-        ``data``: the run's :class:`orca_sc._data.PreparedData`.
-        """
-        n_seen = len(self.classes)
-        n_novel = len(self.head_names) - n_seen
-        unl = ~data.labeled
-        counts = np.bincount(head[unl], minlength=n_seen + n_novel)[n_seen:]
-        pairs = []
-        threshold = self.config.discovery.merge_threshold
-        if threshold is not None and n_novel > 0:
-            clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
-            pairs = match_known_types(
-                data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold
-            )
-        same = []
-        if threshold is not None and n_novel > 1:  # one novel type found in several batches
-            into_known = {h for h, _, _ in pairs}
-            clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
-            clusters[np.isin(clusters, list(into_known))] = -1
-            same = match_novel_across_batches(data.X, data.domain, clusters, n_novel, threshold)
-        self.head_names, order = name_heads(counts, self.classes, pairs, same)
-        merged = {
-            "cluster": [f"head_{h}" for h, _, _ in pairs],
-            "type": [self.classes[k] for _, k, _ in pairs],
-            "n_cells": [int(counts[h]) for h, _, _ in pairs],
-            "correlation": [round(r, 4) for _, _, r in pairs],
-        }
-        return Naming(merged, order, {
-            "cluster": [f"head_{a}" for a, _, _ in same],
-            "same_as": [f"head_{b}" for _, b, _ in same],
-            "name": [self.head_names[n_seen + b] for _, b, _ in same],
-            "correlation": [round(r, 4) for _, _, r in same],
-        })  # fmt: skip
+        return best_head(probs, self.head_names)
 
     def canonical_heads(self, head: np.ndarray) -> np.ndarray:
         """``head`` with every head replaced by the first head of the same name (novel heads
         that are one type in several batches share a name).
         """
-        first = {}
-        for i, n in enumerate(self.head_names):
-            first.setdefault(n, i)
-        canon = np.array([first[n] if n is not None else i for i, n in enumerate(self.head_names)])
-        return canon[head]
+        return canonical_heads(self.head_names, head)
 
     def seen_cosine(self, embedding: np.ndarray) -> np.ndarray:
         """Each cell's cosine to its nearest seen-class head, ``(n,)``, from its L2-normalised
         ``embedding`` ``(n, D)``.
         """
-        w = self.net.head.weight.detach().cpu().numpy()[: len(self.classes)]
-        w = w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
-        return (embedding @ w.T).max(axis=1)
-
-    def calibrate_novelty(self, embedding: np.ndarray) -> None:
-        """Store the distribution of the labelled cells' cosine to their nearest seen head
-        (1,001 quantiles; ``embedding`` of the labelled cells), against which :meth:`novelty`
-        scores cells.
-        """
-        cos = self.seen_cosine(embedding)
-        self.novelty_quantiles = np.quantile(cos, np.linspace(0, 1, 1001)).tolist()
+        return seen_cosine(self.net, len(self.classes), embedding)
 
     def novelty(self, embedding: np.ndarray) -> np.ndarray:
         """Novelty score of each cell (0-1): one minus the share of labelled reference cells that
         are less similar to their nearest seen head than the cell is to its own. Cells of known
         types score about uniformly; a cell less like any known type than almost every labelled
-        cell scores near 1. NaN until :meth:`calibrate_novelty` has run.
+        cell scores near 1. NaN for a model without ``novelty_quantiles``.
         """
         q = self.novelty_quantiles
         if not q:
@@ -365,11 +391,7 @@ class OrcaModel:
     @property
     def novel_names(self) -> list[str]:
         """Names of the novel clusters (kept novel heads): ``novel_1`` (largest), ``novel_2``, ..."""
-        known = set(self.classes)  # a novel head merged into a known type carries its name
-        names = {
-            n for n in self.head_names[len(self.classes) :] if n is not None and n not in known
-        }
-        return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]))
+        return novel_names_of(self.head_names, self.classes)
 
     def novel_similarity(self) -> dict[str, Any]:
         """Expression similarity of each novel cluster to every known type (computed at training:

@@ -26,12 +26,11 @@ from ._conformal import SCORE_NEIGHBORS, CrossConformal, fold_ids
 from ._data import PreparedData, prepare
 from ._discover import (
     Discovery,
+    DiscoveryInput,
     calibration_split,
-    consensus_margin,
     discover,
     discover_without_warmup,
     pca_embedding,
-    probe_threshold,
     self_check_report,
     self_check_split,
     size_check,
@@ -121,14 +120,13 @@ def run_context(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaCon
 # ------------------------------------------------------------------------------------- stages
 @dataclass(frozen=True)
 class WarmUp:
-    """The supervised warm-up: the net, its history, the labelled cells held out of it to
-    calibrate the out-of-distribution threshold, and the probe's cap of that threshold.
+    """The supervised warm-up: the net, its history and the labelled cells held out of it to
+    calibrate the out-of-distribution threshold.
     """
 
     net: OrcaNet
     history: list[dict]
     held: np.ndarray
-    ood_cap: float | None
 
 
 @dataclass(frozen=True)
@@ -202,11 +200,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
         check = self_check(run) if run.config.discovery.self_check else None
     t1 = time.perf_counter()
     with stage("discovery"):
-        ensemble = extra_warmups(run, warm.held)
-        cand = find_candidates(
-            run, warm.net, warm.held, ood_cap=warm.ood_cap, warmed_up=run.plan.warmup > 0,
-            ensemble=ensemble,
-        )  # fmt: skip
+        cand = find_candidates(run, warm.net, warm.held, warmed_up=run.plan.warmup > 0)
     with stage("size check"):
         cand = check_size(run, warm.held, cand)
     t2 = time.perf_counter()
@@ -237,31 +231,14 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
 
 
 def warm_up(run: RunContext) -> WarmUp:
-    """The supervised warm-up on the labelled cells, less those held out for calibration; with
-    ``calibration_probe`` every label trains it and a probe warm-up without the held-out cells
-    caps the threshold (cross-fitting).
-    """
+    """The supervised warm-up on the labelled cells, less those held out for calibration."""
     data, cfg, dc = run.data, run.config, run.config.discovery
-    calib = calibration_split(
+    held = calibration_split(
         data.labels, dc.calibration_fraction, dc.calibration_max_cells, cfg.seed
     )
-    probe = dc.calibration_probe and calib.any() and run.plan.warmup > 0
-    held = np.zeros_like(calib) if probe else calib
     labels = np.where(held, -1, data.labels)
     net, history = fit_warmup(run.cells, labels, run.n_seen, cfg, run.plan, run.rand, run.comm)
-    return WarmUp(net, history, held, _probe_cap(run, calib) if probe else None)
-
-
-def extra_warmups(run: RunContext, held: np.ndarray) -> tuple[OrcaNet, ...]:
-    """``discovery.ood_ensemble`` further warm-ups on the main warm-up's labels (less the
-    ``held`` cells), each with its own random streams: they vote on which cells are
-    out-of-distribution (:func:`orca_sc._discover.consensus_margin`).
-    """
-    if run.plan.warmup == 0:
-        return ()
-    seed = run.config.seed
-    return tuple(_side_warmup(run, held, seed + 200 + k)
-                 for k in range(run.config.discovery.ood_ensemble))  # fmt: skip
+    return WarmUp(net, history, held)
 
 
 def _side_warmup(run: RunContext, held: np.ndarray, seed: int) -> OrcaNet:
@@ -274,32 +251,17 @@ def _side_warmup(run: RunContext, held: np.ndarray, seed: int) -> OrcaNet:
     return fit_warmup(run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm)[0]
 
 
-def _probe_cap(run: RunContext, calib: np.ndarray) -> float:
-    """The calibrated threshold of a probe warm-up that did not see the ``calib`` cells."""
-    data, cfg = run.data, run.config
-    rand = TrainRandom(cfg.seed + 1, run.cells.device)
-    labels = np.where(calib, -1, data.labels)
-    net, _ = fit_warmup(run.cells, labels, run.n_seen, cfg, run.plan, rand, run.comm)
-    lab = np.flatnonzero(data.labeled)
-    cos = seen_similarity(net, run.cells, lab, run.comm)[1].max(axis=1)
-    return run.comm.on_main(lambda: probe_threshold(cos, ~calib[lab], calib[lab], cfg.discovery))
-
-
 def find_candidates(
     run: RunContext,
     net: OrcaNet,
     calib: np.ndarray,
     *,
-    ood_cap: float | None = None,
     warmed_up: bool = True,
     labels: np.ndarray | None = None,
     domain: np.ndarray | None = None,
-    ensemble: tuple[OrcaNet, ...] = (),
 ) -> Candidates:
     """The discover stage on (at most ``discovery.max_cells``) cells; ``labels`` and ``domain``
-    replace the data's (the self-check hides some); ``ensemble``: further nets warmed up on
-    ``net``'s labels, which vote with it on which cells are out-of-distribution
-    (``discovery.ood_ensemble``, :func:`consensus_margin`). A decision: made on rank 0.
+    replace the data's (the self-check hides some). A decision: made on rank 0.
     """
     data, cfg, dc = run.data, run.config, run.config.discovery
     labels = data.labels if labels is None else labels
@@ -318,24 +280,12 @@ def find_candidates(
         )  # fmt: skip
         return Candidates(found, rows, None)
     emb, similarity = seen_similarity(net, run.cells, rows, run.comm)
-    best = similarity.max(axis=1)
-    margin = None
-    if ensemble:
-        lab = labels[rows] >= 0
-        maxcos = np.stack([best, *(seen_similarity(other, run.cells, rows, run.comm)[1].max(axis=1)
-                                   for other in ensemble)])  # fmt: skip
-        train = np.broadcast_to(lab & ~calib[rows], maxcos.shape)  # every net: the same labels
-        margin = run.comm.on_main(
-            lambda: consensus_margin(maxcos, train, calib[rows] & lab, dc, ood_cap)
-        )
-    found = run.comm.on_main(
-        lambda: discover(
-            emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
-            ood_cap=ood_cap, n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed,
-            domain_names=[*data.domain_names, "self-check"], ood_margin=margin,
-        )
+    cells = DiscoveryInput(
+        emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
+        domain_names=[*data.domain_names, "self-check"],
     )  # fmt: skip
-    return Candidates(found, rows, best)
+    found = run.comm.on_main(lambda: discover(cells, dc, n_novel=cfg.n_novel, seed=cfg.seed))
+    return Candidates(found, rows, similarity.max(axis=1))
 
 
 def check_size(run: RunContext, held: np.ndarray, cand: Candidates) -> Candidates:
@@ -369,11 +319,11 @@ def sample_discovery(run: RunContext, held: np.ndarray, sample: np.ndarray) -> D
     net, _ = fit_warmup(cells, labels, run.n_seen, cfg, schedule(sample.size, cfg), rand)
     emb, similarity = seen_similarity(net, cells, np.arange(sample.size))
     dc = cfg.discovery
-    return discover(
+    cells = DiscoveryInput(
         emb, similarity, labels, data.domain[sample], lambda idx: run.pca(dc.n_pcs, sample[idx]),
-        calibration=held[sample], n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed,
-        domain_names=[*data.domain_names, "self-check"],
+        calibration=held[sample], domain_names=[*data.domain_names, "self-check"],
     )  # fmt: skip
+    return discover(cells, dc, n_novel=cfg.n_novel, seed=cfg.seed)
 
 
 def open_world(run: RunContext, warm: WarmUp, cand: Candidates) -> OpenWorldFit:

@@ -442,8 +442,6 @@ def test_every_config_field_is_validated(field, value):
         ("core_min_agree", 1.2),
         ("core_min_fraction", -0.2),
         ("no_warmup_rel_threshold", 3),
-        ("ood_ensemble", -1),
-        ("ood_ensemble", True),
     ],
 )
 def test_every_discovery_field_is_validated(field, value):
@@ -466,6 +464,11 @@ def test_discovery_config_round_trips_and_refuses_unknown_keys():
     assert OrcaConfig.from_dict(old) == cfg
     with pytest.raises(TypeError, match="min_cluster_cells"):
         orca_sc.DiscoveryConfig(min_cluster_cells=5)
+    # and one saved before the out-of-distribution vote and the probe warm-up were removed
+    old["discovery"] |= {"ood_ensemble": 0, "calibration_probe": False}
+    assert OrcaConfig.from_dict(old) == cfg
+    with pytest.raises(TypeError, match="ood_ensemble"):
+        orca_sc.DiscoveryConfig(ood_ensemble=2)
     with pytest.raises(ValueError, match="Unknown configuration keys"):
         orca_sc.DiscoveryConfig.from_dict({"bogus": 1})
 

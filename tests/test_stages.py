@@ -15,7 +15,7 @@ from conftest import FAST, LABELS_ONLY
 
 import orca_sc
 from orca_sc import DiscoveryConfig, OrcaConfig, OrcaModel
-from orca_sc._discover import Discovery, discover, pca_embedding
+from orca_sc._discover import Discovery, DiscoveryInput, discover, pca_embedding
 from orca_sc._train import CellMatrix, NovelHeads, TrainRandom, fit_open_world, fit_warmup, schedule
 
 
@@ -36,7 +36,8 @@ def _discover_blobs(x, labels, **kwargs):
     emb = x / np.linalg.norm(x, axis=1, keepdims=True)
     heads = np.stack([emb[labels == k].mean(0) for k in range(3)])
     heads /= np.linalg.norm(heads, axis=1, keepdims=True)
-    return discover(emb, emb @ heads.T, labels, np.zeros_like(labels), lambda i: x[i], **kwargs)
+    cells = DiscoveryInput(emb, emb @ heads.T, labels, np.zeros_like(labels), lambda i: x[i])
+    return discover(cells, **kwargs)
 
 
 def test_discover_on_arrays_returns_the_documented_fields():
@@ -283,74 +284,6 @@ def test_novelty_folds_hold_out_every_labelled_cell_once(monkeypatch):
     main, *folds = n_labelled
     assert len(folds) == 5 and all(f < main for f in folds)
     assert sum(main - f for f in folds) == main
-
-
-def test_consensus_margin_is_the_majority_of_each_nets_own_call():
-    """``ood_ensemble``: each net calls a cell out-of-distribution by its own threshold (the
-    ``ood_quantile`` of the labelled cells it trained on); the median margin is below 0 exactly
-    where most nets call the cell so, whatever the nets' cosine scales.
-    """
-    from orca_sc._discover import consensus_margin, ood_threshold
-
-    rng = np.random.default_rng(0)
-    cfg = DiscoveryConfig()
-    n = 400
-    lab = np.arange(n) < 300
-    base = rng.uniform(0.6, 1.0, size=n)
-    # three nets: the same cells, each on its own scale, one trained without cells 0-59
-    maxcos = np.stack([base, 0.5 * base + 0.1, base - 0.2])
-    train = np.stack([lab, lab, lab & (np.arange(n) >= 60)])
-    none = np.zeros(n, dtype=bool)
-    margin = consensus_margin(maxcos, train, none, cfg)
-    calls = np.stack(
-        [maxcos[m] < ood_threshold(maxcos[m], train[m], none, cfg)[0] for m in range(3)]
-    )
-    np.testing.assert_array_equal(margin < 0, calls.sum(axis=0) >= 2)
-    # one net alone: its margin to its own threshold
-    one = consensus_margin(maxcos[:1], train[:1], none, cfg)
-    np.testing.assert_allclose(one, maxcos[0] - ood_threshold(maxcos[0], lab, none, cfg)[0])
-
-
-def test_ood_ensemble_votes_and_leaves_the_novelty_test_as_it_is(monkeypatch):
-    """``ood_ensemble=2``: two more warm-ups on every label, with their own seeds, vote with the
-    main one on which cells are out-of-distribution; the novelty test's fold warm-ups and
-    p-values are those of the run without the vote (same seed), and the run records that the
-    threshold is the consensus.
-    """
-    task = _sim_task(n_ref=400, n_query=400)
-    r_off, q_off = _annotated(task)
-    n_labelled = _count_warmup_labels(monkeypatch)
-    r_on, q_on = _annotated(task, ood_ensemble=2)
-    main, extra1, extra2, *folds = n_labelled
-    assert extra1 == extra2 == main and len(folds) == 5
-    np.testing.assert_array_equal(
-        q_on.obs["orca_novelty_pvalue"].to_numpy(), q_off.obs["orca_novelty_pvalue"].to_numpy()
-    )
-    est = q_on.uns["orca"]["estimate"]
-    assert est["threshold_consensus"] == 0.0 and est["threshold"] == 0.0
-    assert "threshold_consensus" not in q_off.uns["orca"]["estimate"]
-    assert r_on["novel_called"] >= 0.9 and r_on["known_called_novel"] <= 0.05
-
-
-def test_probe_calibration_trains_on_every_label(monkeypatch):
-    """``calibration_probe``: the main warm-up trains on every labelled cell; a second warm-up
-    without the held-out cells calibrates a threshold that caps the main one. On the few-label
-    task the in-sample threshold is too high (known cells called novel), the probe's is lower,
-    and no more known-type cells are called novel than with the default (on this task at
-    training seeds 0-2: as many at all three; before the faster training step of issue 22,
-    fewer at seed 0 and as many at 1 and 2).
-    """
-    n_labelled = _count_warmup_labels(monkeypatch)
-    task = _sim_task(n_ref=200, n_query=150)
-    off, _ = _run(task, novelty_folds=0)  # the novelty test's warm-ups are counted elsewhere
-    assert len(n_labelled) == 1
-    probe, u = _run(task, calibration_fraction=0.2, calibration_probe=True, novelty_folds=0)
-    main, held_out = n_labelled[1:]
-    assert main == n_labelled[0] and held_out < main  # every label trains the main warm-up
-    est = u["estimate"]
-    assert est["threshold_probe"] < est["threshold_in_sample"]
-    assert est["threshold"] == est["threshold_probe"]
-    assert probe["known_called_novel"] <= off["known_called_novel"]
 
 
 def test_small_corners_of_the_sweep():

@@ -30,6 +30,7 @@ Leiden runs directly on igraph (exact kNN graph from scikit-learn), on at most
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,10 +58,8 @@ from .ood import (
     _query_candidates,
     _rank_by_size,
     calibration_split,
-    consensus_margin,
     ood_clusters,
     ood_threshold,
-    probe_threshold,
     query_ood_clusters,
 )
 from .scale import size_check
@@ -69,33 +68,40 @@ from .self_check import SelfCheckSplit, self_check_report, self_check_split, you
 _DEFAULTS = DiscoveryConfig()
 
 
-def discover(
-    embedding: np.ndarray,
-    seen_similarity: np.ndarray,
-    labels: np.ndarray,
-    domain: np.ndarray,
-    pca_of: Callable[[np.ndarray], np.ndarray],
-    *,
-    calibration: np.ndarray | None = None,
-    ood_cap: float | None = None,
-    n_novel: int | str = "auto",
-    cfg: DiscoveryConfig = _DEFAULTS,
-    seed: int = 0,
-    domain_names: list[str] | None = None,
-    ood_margin: np.ndarray | None = None,
-) -> Discovery:
-    """Candidate novel clusters after the warm-up, and the novel heads they start: clusters of
-    unlabelled cells the seen heads do not explain (:func:`ood_clusters`; in batches without
-    labelled cells :func:`query_ood_clusters`); with ``n_novel="auto"`` one head per candidate.
+@dataclass(frozen=True)
+class DiscoveryInput:
+    """What discovery reads of the cells it runs on (rows of the run's training matrix).
 
     ``embedding`` ``(n, D)``: the warmed-up embedding; ``seen_similarity`` ``(n, n_seen)``: the
     cosine to each seen head; ``labels`` (``-1`` unlabelled); ``domain``: batch codes;
     ``pca_of(idx)``: the PCA of the aligned expression of the cells ``idx``; ``calibration``:
-    labelled cells the warm-up did not train on (:func:`calibration_split`) and ``ood_cap``: a
-    probe's threshold (:func:`probe_threshold`), which cap the threshold (:func:`ood_threshold`);
-    ``ood_margin``: several nets' consensus (:func:`consensus_margin`), which replaces the
-    threshold on ``seen_similarity`` (a cell is out-of-distribution below 0).
+    labelled cells the warm-up did not train on (:func:`calibration_split`), which cap the
+    threshold (:func:`ood_threshold`); ``domain_names``: the batches' names, for the record.
     """
+
+    embedding: np.ndarray
+    seen_similarity: np.ndarray
+    labels: np.ndarray
+    domain: np.ndarray
+    pca_of: Callable[[np.ndarray], np.ndarray]
+    calibration: np.ndarray | None = None
+    domain_names: list[str] | None = None
+
+
+def discover(
+    cells: DiscoveryInput,
+    cfg: DiscoveryConfig = _DEFAULTS,
+    *,
+    n_novel: int | str = "auto",
+    seed: int = 0,
+) -> Discovery:
+    """Candidate novel clusters after the warm-up, and the novel heads they start: clusters of
+    unlabelled cells the seen heads do not explain (:func:`ood_clusters`; in batches without
+    labelled cells :func:`query_ood_clusters`); with ``n_novel="auto"`` one head per candidate.
+    """
+    embedding, seen_similarity, labels = cells.embedding, cells.seen_similarity, cells.labels
+    domain, pca_of, domain_names = cells.domain, cells.pca_of, cells.domain_names
+    calibration = cells.calibration
     pca_cells = _once_per_cell_set(pca_of)
     lab, maxcos = labels >= 0, seen_similarity.max(axis=1)
     ev = _label_evidence(lab, domain, pca_cells, cfg, domain_names)
@@ -107,12 +113,7 @@ def discover(
         labels, pca_cells, seed=seed, calibrate=bool((~lab & ~query).any()), cfg=cfg
     )
     calib = np.zeros_like(lab) if calibration is None else calibration & lab
-    if ood_margin is not None:  # the cap, if any, is in the margin
-        maxcos, tau, tau_info = ood_margin, 0.0, {"threshold_consensus": 0.0}
-    else:
-        tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
-        if ood_cap is not None:
-            tau, tau_info = min(tau, ood_cap), {**tau_info, "threshold_probe": ood_cap}
+    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
         resolution=resolution, seed=seed, exclude=ev.supported | query,
@@ -130,17 +131,17 @@ def discover(
         anchor_heads=n_seen + assign[heads.core], threshold=tau,
         diagnostics=_diagnostics(sizes, ev, domain_names, (resolution, scores), heads, groups,
                                  bool(query.any()), tau_info, calib, cfg),
-        notes=tuple(_notes(labels, n_seen, int(calib.sum()), ood_cap, cfg)),
+        notes=tuple(_notes(labels, n_seen, int(calib.sum()), cfg)),
     )  # fmt: skip
 
 
 __all__ = [
     "Discovery",
+    "DiscoveryInput",
     "SelfCheckSplit",
     "calibrate_resolution",
     "calibration_split",
     "cluster_cores",
-    "consensus_margin",
     "discover",
     "discover_without_warmup",
     "estimate_n_novel",
@@ -156,7 +157,6 @@ __all__ = [
     "ood_clusters",
     "ood_threshold",
     "pca_embedding",
-    "probe_threshold",
     "query_ood_clusters",
     "resolve_resolution",
     "segregated_batches",

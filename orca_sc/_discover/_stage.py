@@ -70,13 +70,13 @@ def _once_per_cell_set(pca_of: Callable[[np.ndarray], np.ndarray]):
     return pca_cells
 
 
-def _notes(labels, n_seen: int, n_cal: int, ood_cap, cfg: DiscoveryConfig) -> list[str]:
+def _notes(labels, n_seen: int, n_cal: int, cfg: DiscoveryConfig) -> list[str]:
     """Where the data cannot support a call: said to the user (``estimate['notes']``, log)."""
     lab = labels >= 0
     n_unl = int((~lab).sum())
     notes = []
     per_class = np.bincount(labels[lab], minlength=n_seen)
-    if cfg.calibration_fraction > 0 and ood_cap is None and n_cal * cfg.ood_max_rate < 1:
+    if cfg.calibration_fraction > 0 and n_cal * cfg.ood_max_rate < 1:
         notes.append(
             f"Only {n_cal} labelled cells were held out to calibrate the out-of-distribution "
             f"threshold (fewer than 1/ood_max_rate = {1 / cfg.ood_max_rate:.0f}): the share of "

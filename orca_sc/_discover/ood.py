@@ -65,44 +65,6 @@ def ood_threshold(
     }
 
 
-def consensus_margin(
-    maxcos: np.ndarray,
-    train: np.ndarray,
-    calibration: np.ndarray,
-    cfg: DiscoveryConfig,
-    ood_cap: float | None = None,
-) -> np.ndarray:
-    """The out-of-distribution call of several warmed-up nets by majority (``ood_ensemble``):
-    each net's best seen-head cosine ``maxcos`` ``(members, n)`` less that net's own threshold
-    (:func:`ood_threshold` over the labelled cells it trained on, ``train`` ``(members, n)``;
-    ``calibration``: labelled cells none of them trained on; ``ood_cap`` applies to the first
-    net, the main warm-up), and the median of these margins over the nets. A cell is
-    out-of-distribution where the median is below 0, that is where most nets call it so, each
-    by the rule one net alone would apply (with an even number of nets, where the mean of the
-    middle two margins is below 0).
-    """
-    taus = []
-    for m in range(maxcos.shape[0]):  # loop over nets, not cells
-        tau, _ = ood_threshold(maxcos[m], train[m], calibration, cfg)
-        taus.append(min(tau, ood_cap) if m == 0 and ood_cap is not None else tau)
-    return np.median(maxcos - np.asarray(taus)[:, None], axis=0)
-
-
-def probe_threshold(
-    maxcos: np.ndarray, train: np.ndarray, held: np.ndarray, cfg: DiscoveryConfig
-) -> float:
-    """Cross-fitted calibration (``cfg.calibration_probe``): the calibrated threshold
-    (:func:`ood_threshold`) of a probe warm-up that did not see the ``held`` labelled cells,
-    which caps the threshold of the main warm-up (trained on every label; the two are trained
-    alike, so their cosines are on one scale). Carrying over a quantile level instead does not
-    work: on few labels the held-out cells' ``ood_max_rate`` quantile lies below every training
-    cell's cosine (level 0 on the development suite's 200-cell references), so no in-sample
-    quantile can express it.
-    """
-    tau, _ = ood_threshold(maxcos, train, held, cfg)
-    return tau
-
-
 def ood_clusters(
     maxcos: np.ndarray,
     labeled: np.ndarray,
