@@ -85,6 +85,8 @@ class DiscoveryConfig:
         Level of the conformal novelty test: known-type cells exchangeable with the reference get p <= alpha at most this often.
     novelty_folds
         Folds of labelled cells cross-fitting the novelty p-values (one warm-up each; 0: no p-values).
+    integration
+        ``"harmony"``: discovery reads the batches integrated by Harmony on the joint PCA (``"none"``: a PCA of each cell set).
 
     """
 
@@ -115,6 +117,7 @@ class DiscoveryConfig:
     no_warmup_rel_threshold: float = 0.1
     novelty_alpha: float = 0.05
     novelty_folds: int = 5
+    integration: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
@@ -159,6 +162,8 @@ class DiscoveryConfig:
             _invalid("novelty_folds", folds, "0 (no p-values) or an integer >= 2")
         if not isinstance(self.self_check, bool):
             _invalid("self_check", self.self_check, "True or False")
+        if self.integration not in ("none", "harmony"):
+            _invalid("integration", self.integration, '"none" or "harmony"')
         thr = self.merge_threshold
         if thr is not None and not (_is_number(thr) and 0 < thr <= 1):
             _invalid("merge_threshold", thr, "a number in (0, 1] or None")

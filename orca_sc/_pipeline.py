@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -38,6 +39,7 @@ from ._discover import (
 )
 from ._dist import Comm, init_from_env, rank_device
 from ._engine import stage
+from ._integrate import integrated_space
 from ._train import (
     CellMatrix,
     NovelHeads,
@@ -91,6 +93,34 @@ class RunContext:
         t = self.transform
         X, domain, seed = self.data.X, self.data.domain, self.config.seed
         return pca_embedding(X, domain, t.scale, t.offset, n_comps=n_comps, seed=seed, rows=rows)
+
+    def discovery_space(
+        self, rows: np.ndarray, batch: np.ndarray
+    ) -> tuple[Callable[[np.ndarray], np.ndarray], dict[str, Any]]:
+        """The space discovery reads for the cells ``rows`` (``batch``: their batches):
+        ``pca_of(idx)`` (positions into ``rows``) and its record. By default the PCA of each
+        cell set's aligned expression; with ``discovery.integration="harmony"`` and several
+        batches, the rows of one Harmony embedding of the joint PCA of all of ``rows``.
+        """
+        dc, seed = self.config.discovery, self.config.seed
+        info: dict[str, Any] = {"method": "none"}
+        if dc.integration == "none":
+            return (lambda idx: self.pca(dc.n_pcs, rows[idx])), info
+        done: list[np.ndarray | None] = []
+
+        def pca_of(idx: np.ndarray) -> np.ndarray:
+            if not done:  # computed at the first call (on the process that decides)
+                with stage("integration"):
+                    pcs = self.pca(dc.n_pcs, rows)
+                    emb, record = integrated_space(pcs, batch, dc.integration, seed)
+                done.append(emb)
+                info.clear()
+                info.update(record)
+            if done[0] is None:
+                return self.pca(dc.n_pcs, rows[idx])
+            return done[0][idx]
+
+        return pca_of, info
 
 
 def run_context(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> RunContext:
@@ -267,9 +297,7 @@ def find_candidates(
     labels = data.labels if labels is None else labels
     domain = data.domain if domain is None else domain
     rows = subsample_rows(data.n_cells, cfg.seed, dc.max_cells)
-
-    def pca_of(idx: np.ndarray) -> np.ndarray:
-        return run.pca(dc.n_pcs, rows[idx])
+    pca_of, space = run.discovery_space(rows, domain[rows])
 
     if not warmed_up:
         found = run.comm.on_main(
@@ -284,7 +312,9 @@ def find_candidates(
         emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
         domain_names=[*data.domain_names, "self-check"],
     )  # fmt: skip
-    found = run.comm.on_main(lambda: discover(cells, dc, n_novel=cfg.n_novel, seed=cfg.seed))
+    found = run.comm.on_main(
+        lambda: _with_space(discover(cells, dc, n_novel=cfg.n_novel, seed=cfg.seed), space)
+    )
     return Candidates(found, rows, similarity.max(axis=1))
 
 
@@ -319,8 +349,9 @@ def sample_discovery(run: RunContext, held: np.ndarray, sample: np.ndarray) -> D
     net, _ = fit_warmup(cells, labels, run.n_seen, cfg, schedule(sample.size, cfg), rand)
     emb, similarity = seen_similarity(net, cells, np.arange(sample.size))
     dc = cfg.discovery
+    pca_of, _ = run.discovery_space(sample, data.domain[sample])
     cells = DiscoveryInput(
-        emb, similarity, labels, data.domain[sample], lambda idx: run.pca(dc.n_pcs, sample[idx]),
+        emb, similarity, labels, data.domain[sample], pca_of,
         calibration=held[sample], domain_names=[*data.domain_names, "self-check"],
     )  # fmt: skip
     return discover(cells, dc, n_novel=cfg.n_novel, seed=cfg.seed)
@@ -433,6 +464,11 @@ def cross_fit(
 
 
 # ------------------------------------------------------------------------------------ helpers
+def _with_space(found: Discovery, space: dict[str, Any]) -> Discovery:
+    """``found`` with the record of the space it was read in (``estimate['integration']``)."""
+    return replace(found, diagnostics={**found.diagnostics, "integration": dict(space)})
+
+
 def _count_fold(
     counts: CrossConformal,
     emb: np.ndarray,

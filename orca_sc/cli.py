@@ -286,6 +286,14 @@ def _add(options):
     "(0: no p-values).",
 )
 @click.option(
+    "--integration",
+    type=click.Choice(["none", "harmony"]),
+    default="none",
+    show_default=True,
+    help="harmony: discovery reads reference and query integrated by Harmony on their joint "
+    "PCA (recorded in uns 'orca' 'estimate' 'integration').",
+)
+@click.option(
     "--majority-vote",
     is_flag=True,
     help="Refine the labels by majority voting over an over-clustering of the query "
@@ -296,8 +304,8 @@ def _add(options):
 @click.pass_context
 def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer, batch_key,
              unlabeled_category, epochs, warmup_epochs, min_steps, batch_size, lr, device, seed, save_model, self_check,
-             novelty_alpha, novelty_folds, majority_vote, truth_key, report, on_disk, overwrite,
-             quiet):  # fmt: skip
+             novelty_alpha, novelty_folds, integration, majority_vote, truth_key, report, on_disk,
+             overwrite, quiet):  # fmt: skip
     """Annotate QUERY.h5ad (one or several) with the cell types of REF.h5ad, discovering
     novel types.
 
@@ -348,6 +356,7 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
             self_check=self_check,
             novelty_alpha=novelty_alpha,
             novelty_folds=novelty_folds,
+            integration=integration,
             majority_vote=majority_vote,
         )
         _check_device(device)

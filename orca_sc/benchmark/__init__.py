@@ -5,6 +5,7 @@ baselines, time and memory, scaling, and a Markdown/CSV/plot report (``orca-sc b
 from ._compare import Comparison, compare_columns, compare_runs, orca_runs
 from ._devsuite import config_overrides, orca_row, run_orca_suite
 from ._hooks import Callback, StageTimer, StopTrace, observe
+from ._integration import integration_figures
 from ._methods import (
     DEFAULT_METHODS,
     METHODS,
@@ -68,6 +69,7 @@ __all__ = [
     "annotate_task",
     "batch_split",
     "grow_task",
+    "integration_figures",
     "grown_tasks",
     "builtin_tasks",
     "dev_suite",

@@ -4,7 +4,8 @@ every change of a default (``orca-sc benchmark --suite dev --method ORCA [--set 
 One row per task and seed: the suite's figures (:func:`orca_sc.benchmark.score`), the novelty
 test's and the confidence's (:func:`novelty_test_shares`, :func:`confidence_figures`), each
 evidence level of the novel clusters, the self-check's and the size check's where they ran,
-and how long each phase of training ran. :func:`orca_sc.benchmark.compare_runs` makes the
+how long each phase of training ran, and how the task's reference and query mix before and
+after integration (:func:`orca_sc.benchmark.integration_figures`). :func:`orca_sc.benchmark.compare_runs` makes the
 before/after tables from two of these.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ._integration import integration_figures
 from ._methods import annotate_task, confidence_figures, novelty_test_shares
 from ._run import PeakMemory, score
 from ._scaling import training_columns
@@ -67,6 +69,7 @@ def run_orca_suite(
                 q, sl = annotate_task(task, seed, **(overrides or {}))
             row = orca_row(spec, task, seed, q, sl, time.perf_counter() - t0)
             row["peak_mb"] = mem.peak_mb
+            row |= integration_figures(task, seed)
             rows.append(row)
             if progress:
                 logger.info(
