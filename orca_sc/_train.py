@@ -373,7 +373,7 @@ def fit_warmup(
     """
     with rand.torch_stream():
         net = OrcaNet(data.shape[1], n_seen, config.hidden_dims, config.dropout).to(data.device)
-        loss = OrcaLoss(data, labels, config, plan, comm, full=False)
+        loss = OrcaLoss(data, labels, config, plan, comm, full=False, generator=rand.pairs)
         history = _fit(net, loss, data, labels, range(plan.warmup), plan, config, rand, comm)
     return net, history
 
@@ -414,7 +414,7 @@ def fit_open_world(
             feats = torch.as_tensor(pair_features, dtype=torch.float32, device=dev)
         loss = OrcaLoss(
             data, labels, config, plan, comm, full=True, prior=prior, y_anchor=y_anchor,
-            pair_features=feats,
+            pair_features=feats, generator=rand.pairs,
         )  # fmt: skip
         epochs = range(plan.warmup, plan.n_epochs)
         history = _fit(net, loss, data, labels, epochs, plan, config, rand, comm)
@@ -429,7 +429,6 @@ def _fit(net, loss, data, labels, epochs, plan, config, rand, comm) -> list[dict
     """
     comm = comm if comm is not None and comm.active else None
     full = loss.full
-    loss.generator = rand.pairs
     return fit_phase(
         net, loss, CellBatches(data, labels, plan, rand, full, comm), _adam(net, config), epochs,
         phase="open-world" if full else "warm-up",
@@ -505,7 +504,7 @@ class OrcaLoss:
         self, data: CellMatrix, labels: np.ndarray, config: OrcaConfig, plan: Schedule, comm,
         *, full: bool, prior=None, y_anchor=None, pair_features=None, generator=None,
     ) -> None:  # fmt: skip
-        self.data, self.config, self.plan, self.comm, self.full = data, config, plan, comm, full
+        self.data, self.config, self.plan, self.full = data, config, plan, full
         self.comm = comm if comm is not None and comm.active else None
         self.y_all = torch.as_tensor(labels, device=data.device)
         self.u_rows = _uncertainty_rows(np.flatnonzero(labels < 0), config.seed)

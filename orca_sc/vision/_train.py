@@ -431,14 +431,11 @@ class _SimclrLoss:
 class _ImageEpochEnd(Callback):
     """After each epoch of an image run: the learning-rate schedule's step, images per
     second, the scores (``score(epoch)``: entries for the record, ORCA only) and the
-    checkpoint (``save(epochs_done)``, with a ``checkpoint`` path).
+    checkpoint (``save(epochs_done)``; ``None``: no checkpoint).
     """
 
-    def __init__(self, sched, loss, batches: _ImageBatches, checkpoint, save) -> None:
-        self.sched, self.loss, self.batches, self.checkpoint, self.save = (
-            sched, loss, batches, checkpoint, save,
-        )  # fmt: skip
-        self.score = None
+    def __init__(self, sched, batches: _ImageBatches, save=None, score=None) -> None:
+        self.sched, self.batches, self.save, self.score = sched, batches, save, score
 
     def on_epoch_end(self, phase: str, net, record: dict) -> None:
         t_end = time.perf_counter()
@@ -449,7 +446,7 @@ class _ImageEpochEnd(Callback):
         if self.score is not None:
             record.update(self.score(record["epoch"] - 1))
         record["seconds"] = train_s + time.perf_counter() - t_end
-        if self.checkpoint is not None:
+        if self.save is not None:
             self.save(record["epoch"])
 
 
@@ -525,12 +522,20 @@ def train_orca(
             unlabelled=split.unlabelled,
             steps=steps,
         )
-        end = _ImageEpochEnd(sched, loss, batches, checkpoint, lambda e: C.save_checkpoint(
-            checkpoint, {"model": net.state_dict(), "optimizer": opt.state_dict(),
-                         "scheduler": sched.state_dict(), "rng": streams.state()[0]},
-            C.orca_meta(run, data, e, streams.state()[1]),
-        ))  # fmt: skip
-        end.score = lambda epoch: _score_epoch(net, data, split, dev, config, epoch, loss)
+
+        def save(epochs_done: int) -> None:
+            rng_state, np_state = streams.state()
+            C.save_checkpoint(
+                checkpoint,
+                {"model": net.state_dict(), "optimizer": opt.state_dict(),
+                 "scheduler": sched.state_dict(), "rng": rng_state},
+                C.orca_meta(run, data, epochs_done, np_state),
+            )  # fmt: skip
+
+        end = _ImageEpochEnd(
+            sched, batches, save if checkpoint is not None else None,
+            score=lambda epoch: _score_epoch(net, data, split, dev, config, epoch, loss),
+        )  # fmt: skip
         fit_phase(
             net, loss, batches, opt, range(start, config.epochs), phase="orca (images)",
             callbacks=[end], history=history, desc="ORCA (images)", progress=progress,
@@ -601,12 +606,18 @@ def pretrain_simclr(
         bs = min(config.batch_size, n)
         loss = _SimclrLoss(config, aug, streams, opt)
         batches = _ImageBatches(data.train, dev, config.workers, streams.rng, n=n, batch_size=bs)
-        end = _ImageEpochEnd(sched, loss, batches, checkpoint, lambda e: C.save_checkpoint(
-            checkpoint, {"backbone": backbone.state_dict(), "projector": projector.state_dict(),
-                         "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                         "rng": streams.state()[0]},
-            C.simclr_meta(run, data, e, streams.state()[1]),
-        ))  # fmt: skip
+
+        def save(epochs_done: int) -> None:
+            rng_state, np_state = streams.state()
+            C.save_checkpoint(
+                checkpoint,
+                {"backbone": backbone.state_dict(), "projector": projector.state_dict(),
+                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "rng": rng_state},
+                C.simclr_meta(run, data, epochs_done, np_state),
+            )  # fmt: skip
+
+        end = _ImageEpochEnd(sched, batches, save if checkpoint is not None else None)
         both = torch.nn.Sequential(backbone, projector)
         fit_phase(
             both, loss, batches, opt, range(start, config.epochs), phase="simclr",
