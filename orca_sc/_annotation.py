@@ -4,13 +4,90 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from . import __version__
 from ._discover._stage import _FEW_LABELS
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """The record of a run, ``uns['{key_added}']``, as a typed object. It is made in one place
+    (:func:`annotate_record`, :func:`predict_record`) and turned into ``uns`` in one place
+    (:meth:`to_uns`); readers take it back with :meth:`from_uns`.
+
+    A section that is ``None`` was not made by the run: the self-check, the novelty test and
+    the majority vote are options, and a prediction trains nothing. In ``uns`` such a section is
+    absent and its name is listed in ``not_made`` (an h5ad file that holds a ``None`` cannot be
+    read by anndata before 0.12); :meth:`from_uns` gives ``None`` for it, as for a section an
+    older version did not write.
+    """
+
+    mode: str  # "single", "reference" or "predict"
+    params: dict[str, Any]
+    seen_classes: list[str]
+    novel_cluster_sizes: dict[str, int]
+    novel_similarity: dict[str, Any]
+    version: str
+    merged_into_known: dict[str, list] | None = None
+    same_novel_type: dict[str, list] | None = None
+    n_novel: dict[str, Any] | None = None
+    estimate: dict[str, Any] | None = None
+    self_check: dict[str, Any] | None = None
+    novelty_test: dict[str, Any] | None = None
+    novel_evidence: dict[str, list] | None = None
+    confidence: dict[str, Any] | None = None
+    majority_vote: dict[str, Any] | None = None
+    input_scale: Any = None
+    alignment: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None
+    history: dict[str, Any] | None = None
+    training: dict[str, Any] | None = None
+    seed: int | None = None
+    n_genes_missing: int | None = None  # predict: genes of the model absent from the data
+    model_version: str | None = None  # predict: the version that trained the model
+    queries: dict[str, Any] | None = None  # several queries: this one's name, labels x queries
+
+    def to_uns(self) -> dict[str, Any]:
+        """The record as ``uns`` stores it (JSON-able values; ``not_made`` names the sections
+        that are ``None``).
+        """
+        out: dict[str, Any] = {}
+        not_made = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                not_made.append(f.name)
+            else:
+                out[f.name] = jsonable(value)
+        out["not_made"] = not_made
+        return out
+
+    @classmethod
+    def from_uns(cls, uns: Any) -> RunRecord:
+        """The record in ``uns['{key_added}']`` (``{}`` or an older version's record: the
+        sections it lacks are ``None``, the required ones empty).
+        """
+        uns = dict(uns or {})
+        names = {f.name for f in fields(cls)}
+        given = {k: v for k, v in uns.items() if k in names}
+        empty = {"mode": "", "params": {}, "seen_classes": [], "novel_cluster_sizes": {},
+                 "novel_similarity": {}, "version": "?"}  # fmt: skip
+        return cls(**{**empty, **given})
+
+    @property
+    def notes(self) -> list[str]:
+        """Where the data cannot support a call: discovery's notes, then the novelty test's and
+        the self-check's.
+        """
+        return [
+            str(n)
+            for section in (self.estimate, self.novelty_test, self.self_check)
+            for n in (section or {}).get("notes", [])
+        ]
 
 
 @dataclass(frozen=True)
@@ -22,7 +99,7 @@ class Annotation:
     novelty: np.ndarray  # (n,) see OrcaModel.novelty
     embedding: np.ndarray  # (n, D)
     novel_names: list[str]
-    uns: dict[str, Any]
+    record: RunRecord
     pvalue: np.ndarray | None = None  # (n,) conformal novelty p-value (NaN: labelled cell)
     qvalue: np.ndarray | None = None  # (n,) its Benjamini-Hochberg q-value over the query
     per_cell_labels: np.ndarray | None = None  # (n,) before majority voting (None: no vote)
@@ -165,10 +242,11 @@ def evidence_note(evidence: dict[str, list]) -> str | None:
     )
 
 
-def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_key: str,
-                 mode: str, test: NoveltyTest | None, confidence: dict[str, Any],
-                 ) -> dict[str, Any]:  # fmt: skip
-    """``uns['orca']`` of :func:`orca_sc.tl.annotate` (every field is listed in its docstring).
+def annotate_record(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_key: str,
+                    mode: str, test: NoveltyTest | None, confidence: dict[str, Any],
+                    majority_vote: dict[str, Any] | None = None) -> RunRecord:  # fmt: skip
+    """The record (``uns['orca']``) of :func:`orca_sc.tl.annotate` (every field is listed in its
+    docstring).
 
     ``fit``: the :class:`orca_sc._pipeline.Fit`; ``model``: its named
     :class:`orca_sc.OrcaModel`; ``head``: every cell's head; ``mode``: ``"single"`` or
@@ -183,30 +261,31 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
     evidence = novel_evidence(model.novel_names, sizes, similarity, n_labelled,
                               test.record if test is not None else None,
                               cfg.discovery.n_neighbors)  # fmt: skip
-    uns = {
-        "params": {"labels_key": labels_key, **cfg.to_dict()},
-        "mode": mode,
-        "seen_classes": list(data.classes),
-        "novel_cluster_sizes": sizes,
-        "novel_similarity": similarity,
-        "merged_into_known": naming.merged,
-        "same_novel_type": naming.same,
-        "n_novel": {
+    return RunRecord(
+        params={"labels_key": labels_key, **cfg.to_dict()},
+        mode=mode,
+        seen_classes=list(data.classes),
+        novel_cluster_sizes=sizes,
+        novel_similarity=similarity,
+        merged_into_known=naming.merged,
+        same_novel_type=naming.same,
+        n_novel={
             "requested": str(cfg.n_novel),
             "estimated": found.n_novel,
             "heads": found.n_heads,
             "found": len(naming.order),
         },
-        "estimate": model.estimate,
-        "self_check": fit.self_check,
-        "novelty_test": test.record if test is not None else None,
-        "novel_evidence": evidence,
-        "confidence": confidence,
-        "input_scale": data.input_scale,
-        "alignment": {**fit.transform.info, "batches": data.domain_names},
-        "data": data.info,
-        "history": {k: np.array([h[k] for h in fit.history]) for k in fit.history[0]},
-        "training": {
+        estimate=model.estimate,
+        self_check=fit.self_check,
+        novelty_test=test.record if test is not None else None,
+        novel_evidence=evidence,
+        confidence=confidence,
+        majority_vote=majority_vote,
+        input_scale=data.input_scale,
+        alignment={**fit.transform.info, "batches": data.domain_names},
+        data=data.info,
+        history={k: np.array([h[k] for h in fit.history]) for k in fit.history[0]},
+        training={
             "epochs": fit.plan.n_epochs,
             "steps": int(sum(h["steps"] for h in fit.history)),
             "phases": training_phases(fit.history, fit.plan, cfg),
@@ -215,10 +294,9 @@ def annotate_uns(fit: Any, model: Any, head: np.ndarray, naming: Naming, labels_
             "novelty_test_seconds": t.novelty,
             **fit.training,
         },
-        "seed": cfg.seed,
-        "version": __version__,
-    }
-    return jsonable(uns)
+        seed=cfg.seed,
+        version=__version__,
+    )
 
 
 def training_phases(history: list[dict], plan: Any, cfg: Any) -> dict[str, dict[str, Any]]:
@@ -247,21 +325,19 @@ def training_phases(history: list[dict], plan: Any, cfg: Any) -> dict[str, dict[
     return out
 
 
-def predict_uns(model: Any, labels: np.ndarray, info: dict[str, Any]) -> dict[str, Any]:
-    """``uns['orca']`` of :func:`orca_sc.tl.predict`."""
+def predict_record(model: Any, labels: np.ndarray, info: dict[str, Any]) -> RunRecord:
+    """The record (``uns['orca']``) of :func:`orca_sc.tl.predict`."""
     sizes = {n: int(np.sum(labels == n)) for n in model.novel_names}
-    return jsonable(
-        {
-            "mode": "predict",
-            "params": model.config.to_dict(),
-            "seen_classes": list(model.classes),
-            "novel_cluster_sizes": {n: c for n, c in sizes.items() if c > 0},
-            "novel_similarity": model.novel_similarity(),
-            "input_scale": {"AnnData": info["input_scale"]},
-            "n_genes_missing": info["n_genes_missing"],
-            "model_version": model.trained_with,
-            "version": __version__,
-        }
+    return RunRecord(
+        mode="predict",
+        params=model.config.to_dict(),
+        seen_classes=list(model.classes),
+        novel_cluster_sizes={n: c for n, c in sizes.items() if c > 0},
+        novel_similarity=model.novel_similarity(),
+        input_scale={"AnnData": info["input_scale"]},
+        n_genes_missing=info["n_genes_missing"],
+        model_version=model.trained_with,
+        version=__version__,
     )
 
 

@@ -144,14 +144,14 @@ class Comm:
             raise error if error is not None and error is first else first
         return result
 
-    def on_main(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` run on rank 0 only, its result (or its error) on every rank."""
+    def on_main(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` run on rank 0 only, its result (or its error) on every rank."""
         if not self.active:
-            return fn()
+            return fn(*args, **kwargs)
         result, error = None, None
         if self.main:
             try:
-                result = fn()
+                result = fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 error = _picklable(e)
         result, error = self.broadcast((result, error))

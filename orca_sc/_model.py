@@ -19,7 +19,7 @@ from ._align import aligned_group_means, centroid_shift, identity, profile_simil
 from ._annotation import (
     Annotation,
     Naming,
-    annotate_uns,
+    annotate_record,
     evidence_note,
     jsonable,
     novelty_test,
@@ -100,20 +100,18 @@ def _assemble(
     test = novelty_test(fit.novelty_pvalues, labels, data.labeled, novel_names, cfg.discovery)
     for note in test.notes if test is not None else []:
         logger.warning(note)
-    uns = annotate_uns(fit, model, head, naming, labels_key, mode, test, calibration)
-    if (note := evidence_note(uns["novel_evidence"])) is not None:
+    vote = _majority_vote(fit, labels) if cfg.majority_vote else None
+    record = annotate_record(fit, model, head, naming, labels_key, mode, test, calibration,
+                             majority_vote=None if vote is None else vote.record)  # fmt: skip
+    if (note := evidence_note(record.novel_evidence)) is not None:
         logger.warning(note)
-    vote = None
-    if cfg.majority_vote:
-        vote = _majority_vote(fit, labels)
-        uns["majority_vote"] = vote.record
     annotation = Annotation(
         labels=(labels if vote is None else vote.labels)[out],
         confidence=confidence[out],
         novelty=model.novelty(fit.embedding[out]),
         embedding=fit.embedding[out],
         novel_names=model.novel_names,
-        uns=uns,
+        record=record,
         pvalue=test.pvalue[out] if test is not None else None,
         qvalue=test.qvalue[out] if test is not None else None,
         per_cell_labels=None if vote is None else labels[out],

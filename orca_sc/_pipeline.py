@@ -135,9 +135,13 @@ def run_context(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaCon
     with stage("alignment"):
         transform = Transform(
             *comm.on_main(
-                lambda: compute_transform(
-                    cfg.alignment, data.X, data.labels, data.domain, n_batches, n_seen
-                )
+                compute_transform,
+                cfg.alignment,
+                data.X,
+                data.labels,
+                data.domain,
+                n_batches,
+                n_seen,
             )
         )
     cells = CellMatrix(data.X, data.domain, transform.scale, transform.offset, device)
@@ -301,10 +305,8 @@ def find_candidates(
 
     if not warmed_up:
         found = run.comm.on_main(
-            lambda: discover_without_warmup(
-                labels[rows], pca_of, cfg.hidden_dims[1], n_novel=cfg.n_novel, cfg=dc,
-                seed=cfg.seed,
-            )
+            discover_without_warmup, labels[rows], pca_of, cfg.hidden_dims[1],
+            n_novel=cfg.n_novel, cfg=dc, seed=cfg.seed,
         )  # fmt: skip
         return Candidates(found, rows, None)
     emb, similarity = seen_similarity(net, run.cells, rows, run.comm)
@@ -312,9 +314,7 @@ def find_candidates(
         emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
         domain_names=[*data.domain_names, "self-check"],
     )  # fmt: skip
-    found = run.comm.on_main(
-        lambda: _with_space(discover(cells, dc, n_novel=cfg.n_novel, seed=cfg.seed), space)
-    )
+    found = run.comm.on_main(_discover_in, cells, dc, cfg, space)
     return Candidates(found, rows, similarity.max(axis=1))
 
 
@@ -327,13 +327,9 @@ def check_size(run: RunContext, held: np.ndarray, cand: Candidates) -> Candidate
     if run.plan.warmup == 0:
         return cand
     found = run.comm.on_main(
-        lambda: size_check(
-            cand.found,
-            run.data.n_cells,
-            partial(sample_discovery, run, held),
-            seed=run.config.seed + 5,
-        )
-    )
+        size_check, cand.found, run.data.n_cells, partial(sample_discovery, run, held),
+        seed=run.config.seed + 5,
+    )  # fmt: skip
     return Candidates(found, cand.rows, cand.max_cosine)
 
 
@@ -363,7 +359,7 @@ def open_world(run: RunContext, warm: WarmUp, cand: Candidates) -> OpenWorldFit:
     """
     found, rows = cand.found, cand.rows
     novel = NovelHeads(found.prototypes, found.prior, rows[found.anchor_cells], found.anchor_heads)
-    pairs = run.comm.on_main(lambda: _pair_features(run))
+    pairs = run.comm.on_main(_pair_features, run)
     net, history = fit_open_world(
         warm.net, run.cells, run.data.labels, novel, run.config, run.plan, run.rand, pairs,
         run.comm,
@@ -398,10 +394,8 @@ def self_check(run: RunContext) -> dict[str, Any]:
         )
     rows = cand.rows
     report = run.comm.on_main(
-        lambda: self_check_report(
-            cand.found.assign, cand.max_cosine, cand.found.threshold, data.labels[rows],
-            split.subset(rows), data.classes, dc,
-        )
+        self_check_report, cand.found.assign, cand.max_cosine, cand.found.threshold,
+        data.labels[rows], split.subset(rows), data.classes, dc,
     )  # fmt: skip
     report["seconds"] = time.perf_counter() - t0
     return report
@@ -452,7 +446,7 @@ def cross_fit(
         # every rank has the embedding; the scores are counted once
         with stage("fold scores"):
             run.comm.on_main(
-                partial(_count_fold, counts, emb, at[train], at[held], at[test], run.cells.device)
+                _count_fold, counts, emb, at[train], at[held], at[test], run.cells.device
             )
         held_prob[held] = probs[at[held]].max(axis=1)
         held_correct[held] = probs[at[held]].argmax(axis=1) == data.labels[held]
@@ -464,8 +458,13 @@ def cross_fit(
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _with_space(found: Discovery, space: dict[str, Any]) -> Discovery:
-    """``found`` with the record of the space it was read in (``estimate['integration']``)."""
+def _discover_in(
+    cells: DiscoveryInput, dc: Any, cfg: OrcaConfig, space: dict[str, Any]
+) -> Discovery:
+    """:func:`discover` on ``cells``, with the record of the space it was read in
+    (``estimate['integration']``).
+    """
+    found = discover(cells, dc, n_novel=cfg.n_novel, seed=cfg.seed)
     return replace(found, diagnostics={**found.diagnostics, "integration": dict(space)})
 
 

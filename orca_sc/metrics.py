@@ -16,6 +16,8 @@ import pandas as pd
 from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import normalized_mutual_info_score
 
+from ._annotation import RunRecord
+
 __all__ = [
     "all_accuracy",
     "hungarian_match",
@@ -127,12 +129,12 @@ def report(
         cols = ", ".join(map(repr, adata.obs.columns))
         msg = f"truth_key {truth_key!r} is not an obs column; columns: {cols}."
         raise KeyError(msg)
-    uns = adata.uns.get(key_added, {})
+    record = RunRecord.from_uns(adata.uns.get(key_added))
     if seen_classes is None:
-        seen_classes = list(uns.get("seen_classes", []))
+        seen_classes = list(record.seen_classes)
     mask = adata.obs[truth_key].notna().to_numpy()
-    if uns.get("mode") == "single":
-        params = uns.get("params", {})
+    if record.mode == "single":
+        params = record.params
         lab_col = adata.obs[params["labels_key"]].astype(object)
         unl = lab_col.isna() | lab_col.astype(str).isin(list(params["unlabeled_category"]))
         mask = mask & unl.to_numpy()  # a new array: to_numpy() may be read-only (pandas CoW)
@@ -148,6 +150,6 @@ def report(
         "n_seen_cells": int(seen_mask.sum()),
         "n_novel_cells": int((~seen_mask).sum()),
         "n_novel_true": int(np.unique(t[~seen_mask]).size),
-        "n_novel_found": int(len(uns.get("novel_cluster_sizes", {}))),
+        "n_novel_found": len(record.novel_cluster_sizes),
         "per_class": per_class_recall(t, p, seen_classes).to_dict(orient="records"),
     }

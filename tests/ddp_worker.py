@@ -164,7 +164,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
         "n_novel_distributed": len(ann_d.novel_names),
         "n_novel_single": len(ann_s.novel_names),
         "embedding_max_diff": float(np.abs(ann_d.embedding - ann_s.embedding).max()),
-        "processes_recorded": ann_d.uns["training"]["processes"],
+        "processes_recorded": ann_d.record.training["processes"],
         "seconds": {"prepare": t_prep, "warmup": t_train, "fit": t_fit, "fit_single": t_fit_s},
     }
     Path(out).mkdir(parents=True, exist_ok=True)

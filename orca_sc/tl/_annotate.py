@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -74,8 +75,9 @@ def annotate(
     ``params``, ``mode``, ``seen_classes``, ``novel_cluster_sizes``, ``novel_similarity``,
     ``merged_into_known``, ``same_novel_type``, ``n_novel``, ``estimate``, ``self_check``,
     ``confidence``, ``novelty_test``, ``novel_evidence``, ``majority_vote``, ``queries``,
-    ``input_scale``, ``alignment``, ``data``, ``history``, ``training``, ``seed``, ``version``
-    (see the README's Outputs).
+    ``input_scale``, ``alignment``, ``data``, ``history``, ``training``, ``seed``, ``version``,
+    ``not_made`` (the sections this run did not make; :class:`orca_sc.tl.RunRecord` reads the
+    record back, see the README's Outputs).
 
     """
     from .._dist import main_process
@@ -107,7 +109,8 @@ def annotate(
     table = pd.DataFrame(counts).fillna(0).astype(np.int64)
     table.index = table.index.astype(str)
     for t, name in zip(targets, names, strict=True):
-        t.uns[key_added] = {**result.uns, "queries": {"this": name, "label_counts": table.copy()}}
+        queries = {"this": name, "label_counts": table.copy()}
+        t.uns[key_added] = replace(result.record, queries=queries).to_uns()
     if model_path is not None and main_process():
         model.save(model_path)
     if not copy:

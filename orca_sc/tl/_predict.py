@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._annotation import predict_uns
+from .._annotation import predict_record
 from .._errors import check_anndata, check_copy
 from .._model import OrcaModel
 from ._annotate import write_fields
@@ -70,5 +70,5 @@ def predict(
         classes=model.classes,
         novel_names=novel,
     )
-    adata.uns[key_added] = predict_uns(model, labels, info)
+    adata.uns[key_added] = predict_record(model, labels, info).to_uns()
     return adata if copy else None

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .._annotation import RunRecord
+
 
 def report(
     adata: Any,
@@ -114,7 +116,7 @@ class _Page:
         from ..pl import _labels, _palette
 
         self.adata, self.key, self.truth_key, self.summary = adata, key, truth_key, summary
-        self.uns = adata.uns.get(key, {})
+        self.record = RunRecord.from_uns(adata.uns.get(key))
         self.labels, self.novel = _labels(adata, key)
         self.cats = [str(c) for c in self.labels.cat.categories]
         self.colors = _palette(adata, key, self.cats, self.novel)  # one colour per label
@@ -151,7 +153,7 @@ class _Page:
             kind = "novel cluster" if label in novel else "known type"
             rows.append([swatch + _e(label), f"{n:,}", f"{n / s['n_cells']:.1%}", kind])
         n_novel_cells = sum(s["label_counts"].get(n, 0) for n in novel)
-        mode = self.uns.get("mode", "")
+        mode = self.record.mode
         lead = (
             f"<p>{s['n_cells']:,} cells ({_e(mode)} mode): {len(s['label_counts']) - len(novel)} "
             f"known types and <b>{len(novel)} novel clusters</b> ({n_novel_cells:,} cells, "
@@ -191,7 +193,7 @@ class _Page:
         novel = self.summary["novel"]
         if not novel:
             return "<h2>Novel clusters</h2><p>No novel cluster: every cell got a known type.</p>"
-        test = self.uns.get("novelty_test", {})
+        test = self.record.novelty_test or {}
         shares = dict(
             zip(
                 test.get("clusters", {}).get("cluster", []),
@@ -239,7 +241,7 @@ class _Page:
 
         from ..pl import confidence, reliability
 
-        rec = self.uns.get("confidence", {})
+        rec = self.record.confidence or {}
         obs = self.adata.obs
         panels = 3 if self.truth_key else 2
         fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4), squeeze=False)
@@ -283,11 +285,7 @@ class _Page:
         return "<h2>Self-check</h2>" + lead + _table(["figure", "value"], rows)
 
     def _notes(self) -> str:
-        notes = [
-            *self.uns.get("estimate", {}).get("notes", []),
-            *self.uns.get("novelty_test", {}).get("notes", []),
-            *(self.uns.get("self_check") or {}).get("notes", []),
-        ]
+        notes = self.record.notes
         if not notes:
             return (
                 "<h2>Notes</h2><p>None: the run raised no warning about what the data support.</p>"
@@ -298,7 +296,8 @@ class _Page:
     def _parameters(self) -> str:
         from .._card import _versions
 
-        params = self.uns.get("params", {})
+        rec = self.record
+        params = rec.params
         rows = []
         for k, v in params.items():
             if isinstance(v, dict):
@@ -306,10 +305,10 @@ class _Page:
             else:
                 rows.append([_e(k), _e(v)])
         versions = ", ".join(f"{k} {v}" for k, v in _versions().items())
-        training = self.uns.get("training", {})
+        training = rec.training or {}
+        seed = "?" if rec.seed is None else rec.seed
         lead = (
-            f"<p>Annotated with orca_sc {_e(self.uns.get('version', '?'))}, seed "
-            f"{_e(self.uns.get('seed', '?'))}, on {_e(training.get('device', '?'))} in "
+            f"<p>Annotated with orca_sc {_e(rec.version)}, seed {_e(seed)}, on {_e(training.get('device', '?'))} in "
             f"{training.get('seconds', float('nan')):.1f} s of training. This report: "
             f"{_e(versions)}.</p>"
         )

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from .._annotation import RunRecord
 from .._read import ChunkReader, get_matrix, on_disk, to_log_normalized
 
 
@@ -63,16 +64,16 @@ def summarize(
         raise KeyError(msg)
     labels = adata.obs[col].astype(str)
     counts = labels.value_counts()
-    uns = adata.uns.get(key_added, {})
-    sim = uns.get("novel_similarity", {})
+    record = RunRecord.from_uns(adata.uns.get(key_added))
+    sim = record.novel_similarity
     clusters = [str(c) for c in sim.get("clusters", [])]
     types = [str(t) for t in sim.get("types", [])]
     values = np.asarray(sim.get("similarity", []), dtype=float).reshape(len(clusters), len(types))
     novel_names = [n for n in adata.obs[f"{key_added}_novel"].cat.categories if n in counts.index]
     markers = _markers(adata, labels, novel_names, n_markers, layer) if n_markers > 0 else {}
-    test = uns.get("novelty_test", {}).get("clusters", {})
+    test = (record.novelty_test or {}).get("clusters", {})
     support = dict(zip(test.get("cluster", []), test.get("supported", []), strict=False))
-    ev = uns.get("novel_evidence", {})
+    ev = record.novel_evidence or {}
     evidence = dict(zip(ev.get("cluster", []), zip(ev.get("evidence", []), ev.get("reason", []),
                                                     strict=False), strict=False))  # fmt: skip
     novel = []
@@ -95,9 +96,9 @@ def summarize(
         "label_counts": {str(k): int(v) for k, v in counts.items()},
         "mean_confidence": float(np.mean(adata.obs[f"{key_added}_confidence"])),
         "novel": novel,
-        "notes": [str(n) for n in uns.get("estimate", {}).get("notes", [])],
+        "notes": [str(n) for n in (record.estimate or {}).get("notes", [])],
     }
-    check = uns.get("self_check")
+    check = record.self_check
     if check is not None and "novel_called" in check:
         keys = ("hidden_types", "novel_called", "known_called_novel", "hidden_accuracy",
                 "hidden_clusters_found", "hidden_types_true", "n_known_cells")  # fmt: skip
