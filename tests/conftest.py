@@ -1,6 +1,8 @@
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,6 +56,33 @@ def small_sim():
 
 
 FAST = {"n_genes": None, "epochs": 5, "min_steps": 150, "warmup_epochs": 1, "progress": False}
+
+
+@dataclass(frozen=True)
+class SmallRun:
+    """:func:`small_sim` annotated once with :data:`FAST` and the model it saved; tests that
+    only read the result share it (``adata()`` is a fresh copy each time).
+    """
+
+    annotated: Any
+    model_path: Path
+
+    def adata(self):
+        return self.annotated.copy()
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """The one annotate run of :func:`small_sim` with :data:`FAST` shared by the tests that read
+    its labels, record or model.
+    """
+    a = orca_sc.datasets.simulate(500, 300, 5, markers_per_type=30, marker_fold=5.0, seed=3)
+    a = open_world(a, ["type_0", "type_1", "type_2"])
+    path = tmp_path_factory.mktemp("small_run") / "model.pt"
+    orca_sc.tl.annotate(a, labels_key="lab", save_model=path, **FAST)
+    return SmallRun(a, path)
+
+
 #: tests that check labels only: the novelty test's cross-fitted warm-ups run after the fit and
 #: leave every label as it is (development suite, 153 runs), so they are skipped there
 LABELS_ONLY = {"novelty_folds": 0}

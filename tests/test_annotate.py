@@ -70,9 +70,8 @@ def test_same_seed_same_labels_and_copy(small_sim):
     np.testing.assert_array_equal(a1.obsm["X_orca"], a2.obsm["X_orca"])
 
 
-def test_save_load_predict_round_trip(small_sim, tmp_path):
-    path = tmp_path / "model.pt"
-    orca_sc.tl.annotate(small_sim, labels_key="lab", save_model=path, **FAST)
+def test_save_load_predict_round_trip(small_run):
+    path, small_sim = small_run.model_path, small_run.adata()
     model = OrcaModel.load(path)
     payload = torch.load(path, weights_only=True)  # no code in the file
     assert payload["meta"]["genes"] == model.genes
@@ -105,9 +104,9 @@ def test_load_refuses_foreign_or_corrupt_files(tmp_path):
         OrcaModel.load(other)
 
 
-def test_predict_rejects_too_few_genes(small_sim, tmp_path):
-    model = OrcaModel.fit(small_sim, labels_key="lab", **FAST)
-    few = small_sim[:, :100].copy()
+def test_predict_rejects_too_few_genes(small_run):
+    model = OrcaModel.load(small_run.model_path)
+    few = small_run.adata()[:, :100].copy()
     with pytest.raises(OrcaInputError, match="Only 100 of the model's 300 genes"):
         model.predict(few)
 
@@ -148,8 +147,8 @@ def test_ablation_switches_change_training(small_sim, switch):
         assert not np.any(h["warmup"])
 
 
-def test_adaptive_margin_follows_uncertainty(small_sim):
-    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **FAST)
+def test_adaptive_margin_follows_uncertainty(small_run):
+    a = small_run.adata()
     h = a.uns["orca"]["history"]
     np.testing.assert_allclose(h["margin"], np.minimum(h["uncertainty"], 0.5))
     assert h["uncertainty"][-1] < h["uncertainty"][0]
@@ -374,11 +373,11 @@ def test_reference_and_query_in_one_batch_warns_and_takes_no_deserts():
         orca_sc.tl.annotate(both, labels_key="lab", batch_key="sample", copy=True, **FAST)
 
 
-def test_tl_predict_and_similarity_of_novel_clusters(small_sim, tmp_path):
+def test_tl_predict_and_similarity_of_novel_clusters(small_run):
     """tl.predict writes the annotate fields; a batch column aligns each batch separately."""
-    orca_sc.tl.annotate(small_sim, labels_key="lab", save_model=tmp_path / "m.pt", **FAST)
-    model = OrcaModel.load(tmp_path / "m.pt")
-    out = orca_sc.tl.predict(small_sim, str(tmp_path / "m.pt"), key_added="pred", copy=True)
+    small_sim = small_run.adata()
+    model = OrcaModel.load(small_run.model_path)
+    out = orca_sc.tl.predict(small_sim, str(small_run.model_path), key_added="pred", copy=True)
     assert "pred_label" not in small_sim.obs
     assert (out.obs["pred_label"] == small_sim.obs["orca_label"]).all()
     assert out.uns["pred"]["mode"] == "predict"

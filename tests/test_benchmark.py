@@ -183,6 +183,35 @@ def test_sim_tasks_of_the_development_suite():
         t = B.make_sim_task(settings[name], seed=0)
         sub = t.reference.uns["simulation"]["subtype_of"]
         assert len(sub) == 2 and set(sub) <= set(t.novel) and set(sub.values()) <= set(t.seen)
+    # a condition shift: three seen types carry the program in the query, none in the reference
+    t = B.make_sim_task(settings["condition3"], seed=0)
+    assert not t.reference.obs["condition"].any()
+    responding = set(t.truth[t.query.obs["condition"].to_numpy()])
+    assert len(responding) == 3 and responding <= set(t.seen) and len(t.novel) == 4
+    assert B.make_sim_task(settings["condition3_novel0"], seed=0).novel == []
+    assert {"typeshift0.2", "typeshift0.4", "typeshift0.8"} <= set(settings)
+    # several queries: batches of their own sharing the known types and one novel type
+    t = B.make_sim_task(settings["queries2_q180"], seed=0)
+    q = t.query.obs["batch"].astype(str)
+    assert t.info["query_key"] == "batch" and q.nunique() == 2 and len(t.novel) == 1
+    for g in q.unique():
+        truth = t.truth[(q == g).to_numpy()]
+        assert set(truth) == set(t.seen) | set(t.novel) and 140 < truth.size < 220
+
+
+def test_several_queries_are_annotated_together_and_come_back_in_the_query_order():
+    setting = {s.name: s for s in B.sim_settings(large=False)}["queries2_q180"]
+    task = B.make_sim_task(setting, seed=1)
+    q, rows = B.annotate_task(task, 0, epochs=5, warmup_epochs=1, min_steps=150,
+                              novelty_folds=0)  # fmt: skip
+    assert list(q.obs_names[rows]) == list(task.query.obs_names)
+    assert (q.obs["truth"].to_numpy() == task.truth).all()
+    assert q.obs["orca_label"].notna().all()
+    # one run for both queries: the record counts each query's labels
+    counts = q.uns["orca"]["queries"]["label_counts"]
+    assert list(counts.columns) == ["query_1", "query_2"]
+    per_query = q.obs.groupby("batch", observed=True).size().to_numpy()
+    assert (counts.sum(axis=0).to_numpy() == per_query).all()
 
 
 def test_dev_suite_cli_reports_novel_calls_and_estimates(tmp_path):

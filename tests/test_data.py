@@ -201,6 +201,44 @@ def test_simulated_subtype_is_its_parent_plus_a_program_of_its_own():
             orca_sc.datasets.simulate(300, 200, 4, subtype_of=bad, seed=5)
 
 
+def _log_means(a, batch, t):
+    """Mean log1p expression per gene of type ``t`` in ``batch``."""
+    rows = ((a.obs.batch == batch) & (a.obs.cell_type == t)).to_numpy()
+    return np.log1p(np.asarray(a.X[rows].mean(axis=0)).ravel())
+
+
+def test_simulated_shift_by_type_and_condition_program():
+    kw = {"n_batches": 2, "imbalance": 1.0, "batch_strength": 0.0, "seed": 4}
+    plain = orca_sc.datasets.simulate(6000, 400, 3, **kw)
+    same = orca_sc.datasets.simulate(6000, 400, 3, type_batch_strength=0.0, **kw)
+    assert (plain.X != same.X).nnz == 0  # the options off: the counts of the same seed
+    assert not plain.obs["condition"].any()
+
+    # a batch effect that differs by type: one shift for all types (type 0's and type 1's
+    # agree) and, with type_batch_strength, a part of each type's own (they agree less)
+    def agreement(**extra):
+        a = orca_sc.datasets.simulate(6000, 400, 3, **{**kw, "batch_strength": 0.4, **extra})
+        t0, t1 = (_log_means(a, "batch_1", t) - _log_means(a, "batch_0", t)
+                  for t in ("type_0", "type_1"))  # fmt: skip
+        return np.corrcoef(t0, t1)[0, 1]
+
+    shared, mild, severe = (agreement(type_batch_strength=s) for s in (0.0, 0.4, 0.8))
+    assert shared > 0.95 and shared - 0.15 > mild > severe + 0.15, (shared, mild, severe)
+    # a condition program: up in the responding type of the stimulated batch only
+    cond = orca_sc.datasets.simulate(6000, 400, 3, condition={1: [0]}, condition_genes=30, **kw)
+    obs = cond.obs
+    assert (obs["condition"] == ((obs.batch == "batch_1") & (obs.cell_type == "type_0"))).all()
+    up0 = _log_means(cond, "batch_1", "type_0") - _log_means(cond, "batch_0", "type_0")
+    up1 = _log_means(cond, "batch_1", "type_1") - _log_means(cond, "batch_0", "type_1")
+    top = np.argsort(-up0)[:30]
+    assert up0[top].mean() > 0.5 and abs(up1[top].mean()) < 0.15
+    assert cond.uns["simulation"]["condition"] == {"batch_1": ["type_0"]}
+    for bad in ({"condition": {2: [0]}}, {"condition": {1: [3]}}, {"type_batch_strength": -1},
+                {"condition": {1: [0]}, "condition_genes": 0}):  # fmt: skip
+        with pytest.raises(ValueError, match="condition|type_batch_strength"):
+            orca_sc.datasets.simulate(300, 200, 3, n_batches=2, seed=5, **bad)
+
+
 def test_batch_key_missing_and_unlabelled_reference():
     genes = [f"g{i}" for i in range(150)]
     ref = _adata(np.ones((6, 150)), genes, ["a", "b"] * 3)

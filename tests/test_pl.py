@@ -16,14 +16,8 @@ from orca_sc._colors import NOVEL, label_colors  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def annotated():
-    a = orca_sc.datasets.simulate(500, 300, 5, markers_per_type=30, marker_fold=5.0, seed=3)
-    rng = np.random.default_rng(0)
-    lab = a.obs["cell_type"].isin(["type_0", "type_1", "type_2"]).to_numpy() & (
-        rng.random(a.n_obs) < 0.5
-    )
-    a.obs["lab"] = a.obs["cell_type"].astype(object).where(lab, None)
-    orca_sc.tl.annotate(a, labels_key="lab", **FAST)
+def annotated(small_run):
+    a = small_run.adata()
     sc.pp.neighbors(a, use_rep="X_orca", random_state=0)
     sc.tl.umap(a, random_state=0)
     return a

@@ -191,8 +191,8 @@ def test_scanpy_style_return_and_one_way_to_the_model(small_sim, tmp_path):
     np.testing.assert_array_equal(labels, small_sim.obs["orca_label"].astype(str).to_numpy())
 
 
-def test_novelty_score_separates_novel_cells(small_sim):
-    orca_sc.tl.annotate(small_sim, labels_key="lab", **FAST)
+def test_novelty_score_separates_novel_cells(small_run):
+    small_sim = small_run.adata()
     nov = small_sim.obs["orca_novelty"].to_numpy()
     truth = small_sim.obs["cell_type"].astype(str)
     novel = truth.isin(["type_3", "type_4"]).to_numpy()

@@ -56,8 +56,16 @@ def annotate_task(task: Task, seed: int, **config) -> tuple[Any, slice]:
             return adata, slice(task.reference.n_obs, None)
         adata = task.query.copy()
         adata.obs["truth"] = task.truth
-        annotate(adata, task.reference, labels_key=key, seed=seed, progress=False, **config)
-        return adata, slice(None)
+        query_key = task.info.get("query_key")
+        if query_key is None:
+            annotate(adata, task.reference, labels_key=key, seed=seed, progress=False, **config)
+            return adata, slice(None)
+        # several queries annotated together; their rows put back in the query's order
+        group = adata.obs[query_key].astype(str).to_numpy()
+        parts = [adata[group == g].copy() for g in pd.unique(group)]
+        annotate(parts, task.reference, labels_key=key, seed=seed, progress=False, **config)
+        whole = ad.concat(parts, merge="same", uns_merge="first")
+        return whole[adata.obs_names].copy(), slice(None)
 
 
 def _orca(task: Task, seed: int, heads_factor: int | None = None, **config) -> np.ndarray:

@@ -43,7 +43,11 @@ class SimSetting:
     The ``n_novel`` novel types are drawn at random among the ``n_seen + n_novel`` types (whose
     sizes fall geometrically, largest ``imbalance`` times the smallest); ``n_nested`` of them
     are subtypes of a seen type drawn at random (its whole profile plus a program of their own:
-    a novel type a seen head can absorb).
+    a novel type a seen head can absorb). ``type_batch_strength``: a batch effect that differs by
+    type (the shift severity); ``condition_types``: that many seen types, drawn at random, carry
+    in the query a gene program the reference lacks (as after a stimulation);
+    ``n_queries``: the query is that many batches of ``n_query`` cells each, annotated together
+    as several queries (``task.info['query_key']``).
     """
 
     name: str
@@ -58,6 +62,9 @@ class SimSetting:
     n_genes: int = 1000
     n_nested: int = 0
     library_size: float = 3000.0
+    type_batch_strength: float = 0.0
+    condition_types: int = 0
+    n_queries: int = 1
 
     def describe(self) -> str:
         base = SimSetting("base")
@@ -96,21 +103,27 @@ def make_sim_task(setting: SimSetting, seed: int) -> Task:
             name=name,
         )  # fmt: skip
     n_ref_batch = int(round(s.n_ref / seen_share))
+    responding = sorted(rng.choice([code[t] for t in seen], s.condition_types, replace=False))
     a = simulate(
-        n_ref_batch + s.n_query,
+        n_ref_batch + s.n_query * s.n_queries,
         s.n_genes,
         n_types,
-        n_batches=2,
+        n_batches=1 + s.n_queries,
         batch_strength=s.batch_strength,
         imbalance=s.imbalance,
-        batch_weights=[n_ref_batch, s.n_query],
+        batch_weights=[n_ref_batch] + [s.n_query] * s.n_queries,
         subtype_of=subtype_of,
         library_size=s.library_size,
+        type_batch_strength=s.type_batch_strength,
+        condition={b: responding for b in range(1, 1 + s.n_queries)} if responding else None,
         seed=seed,
     )
-    return batch_split(
+    task = batch_split(
         a, "cell_type", "batch", ["batch_0"], novel_classes=novel, seed=seed, name=name
     )
+    if s.n_queries > 1:
+        task.info["query_key"] = "batch"
+    return task
 
 
 def sim_settings(large: bool = True) -> list[SimSetting]:
@@ -138,7 +151,23 @@ def sim_settings(large: bool = True) -> list[SimSetting]:
         replace(b, name="nested2", n_nested=2),
         replace(b, name="protocol_nested2", design="protocol", n_nested=2),
         replace(b, name="speed_1k_1k", n_ref=1000, n_query=1000, n_genes=5000),
-    ]
+        # a condition shift: three seen types respond in the query to a program the reference
+        # lacks, with and without hidden types
+        replace(b, name="condition3", condition_types=3),
+        replace(b, name="condition3_novel0", condition_types=3, n_novel=0),
+        # the shift severity: a batch effect that differs by type, swept
+        replace(b, name="typeshift0.2", type_batch_strength=0.2),
+        replace(b, name="typeshift0.4", type_batch_strength=0.4),
+        replace(b, name="typeshift0.8", type_batch_strength=0.8),
+        # several queries sharing their known types and one novel type, annotated together:
+        # 60 cells per type (two known, one novel) up to thousands of cells per query
+        replace(b, name="queries2_q180", n_seen=2, n_novel=1, n_ref=500, n_query=180,
+                imbalance=1.0, n_queries=2),
+        replace(b, name="queries3_q180", n_seen=2, n_novel=1, n_ref=500, n_query=180,
+                imbalance=1.0, n_queries=3),
+        replace(b, name="queries2_q2000", n_novel=1, n_queries=2),
+        replace(b, name="queries3_q1000", n_novel=1, n_query=1000, n_queries=3),
+    ]  # fmt: skip
     if large:
         out.append(replace(b, name="query50k", n_query=50_000))
     return out

@@ -29,6 +29,9 @@ def simulate(
     batch_weights: Sequence[float] | None = None,
     subtype_of: Mapping[int, int] | None = None,
     subtype_markers: int | None = None,
+    type_batch_strength: float = 0.0,
+    condition: Mapping[int, Sequence[int]] | None = None,
+    condition_genes: int | None = None,
     seed: int = 0,
 ):
     """Simulate a UMI count matrix of ``n_types`` cell types with negative-binomial noise.
@@ -43,14 +46,24 @@ def simulate(
     * type proportions fall geometrically: the largest type is ``imbalance`` times the smallest;
     * every batch multiplies each gene by ``exp(N(0, batch_strength))`` and shifts library sizes;
       cells fall into batches evenly, or with probabilities ``batch_weights``;
+    * ``type_batch_strength``: a batch effect that differs by cell type, as across technologies
+      or animals: every batch but the first also multiplies each gene of each type by
+      ``exp(N(0, type_batch_strength))`` (one shift for all types cannot remove it);
+    * ``condition``: a gene program the first batch lacks, switched on in some types of some
+      batches, as a stimulation does: ``{batch: [types]}``; the program's ``condition_genes``
+      genes (default ``markers_per_type``) are up-regulated by a log-normal fold around
+      ``marker_fold`` in the cells of those types in that batch;
     * library sizes are log-normal around ``library_size``;
     * counts are Gamma-Poisson (negative binomial) with inverse dispersion ``dispersion``.
 
     Cells are generated in chunks and stored as CSR float32; the dense matrix is never built.
-    Returns an AnnData with ``obs['cell_type']`` (``type_0`` largest), ``obs['batch']`` and the
-    true per-type mean profile in ``varm['type_means']``.
+    Returns an AnnData with ``obs['cell_type']`` (``type_0`` largest), ``obs['batch']``,
+    ``obs['condition']`` (whether the cell carries the condition's program) and the true per-type
+    mean profile in ``varm['type_means']``. The last two options draw from random streams of
+    their own: without them the counts are those of the same seed before they existed.
     """
     _check(n_cells, n_genes, n_types, markers_per_type, subtype_of)
+    _check_shift(n_types, n_batches, n_genes, type_batch_strength, condition, condition_genes)
     subtype_of = dict(subtype_of or {})
     n_sub = markers_per_type // 2 if subtype_markers is None else subtype_markers
     rng = np.random.default_rng(seed)
@@ -72,14 +85,21 @@ def simulate(
     batch_gene[0] = 1.0 if n_batches == 1 else batch_gene[0]
     batch_lib = np.exp(rng.normal(0.0, batch_strength, n_batches))
     lib = library_size * rng.lognormal(0.0, library_sd, n_cells) * batch_lib[batches]
+    shift, stimulated = _type_batch_shift(
+        seed, n_types, n_batches, n_genes, types, batches, type_batch_strength, condition,
+        markers_per_type if condition_genes is None else condition_genes, marker_fold,
+    )  # fmt: skip
     blocks = []
     for start in range(0, n_cells, _CHUNK):
         sl = slice(start, start + _CHUNK)
         p = profiles[types[sl]] * batch_gene[batches[sl]]
+        if shift is not None:
+            p *= shift[batches[sl], types[sl]]
         p /= p.sum(axis=1, keepdims=True)
         lam = rng.gamma(dispersion, p * lib[sl, None] / dispersion)
         blocks.append(sp.csr_matrix(rng.poisson(lam).astype(np.float32)))
     adata = _as_anndata(sp.vstack(blocks, format="csr"), types, batches, n_types, n_genes)
+    adata.obs["condition"] = stimulated
     adata.varm["type_means"] = profiles.T.astype(np.float32)
     adata.uns["simulation"] = {
         "n_types": n_types,
@@ -89,6 +109,10 @@ def simulate(
         "imbalance": imbalance,
         "batch_strength": batch_strength,
         "subtype_of": {f"type_{t}": f"type_{p}" for t, p in sorted(subtype_of.items())},
+        "type_batch_strength": type_batch_strength,
+        "condition": {
+            f"batch_{b}": [f"type_{t}" for t in ts] for b, ts in sorted((condition or {}).items())
+        },  # fmt: skip
         "seed": seed,
     }
     return adata
@@ -105,6 +129,44 @@ def _check(n_cells, n_genes, n_types, markers_per_type, subtype_of) -> None:
                 f"not itself a subtype; got {t} -> {p}."
             )
             raise OrcaInputError(msg)
+
+
+def _check_shift(n_types, n_batches, n_genes, strength, condition, genes) -> None:
+    if strength < 0:
+        msg = f"type_batch_strength must be >= 0, got {strength}."
+        raise OrcaInputError(msg)
+    for b, ts in dict(condition or {}).items():
+        if not 0 <= b < n_batches or any(not 0 <= t < n_types for t in ts):
+            msg = (
+                f"condition maps batches in [0, {n_batches}) to lists of types in [0, {n_types}); "
+                f"got {b} -> {list(ts)}."
+            )
+            raise OrcaInputError(msg)
+    if genes is not None and not 0 < genes <= n_genes:
+        msg = f"condition_genes must be in [1, {n_genes}], got {genes}."
+        raise OrcaInputError(msg)
+
+
+def _type_batch_shift(seed, n_types, n_batches, n_genes, types, batches, strength, condition,
+                      n_program, fold) -> tuple[np.ndarray | None, np.ndarray]:  # fmt: skip
+    """Per (batch, type) gene factors ``(NB, T, G)`` of the type-specific batch effect and the
+    condition's program (``None``: neither), and which cells carry the program.
+    """
+    stimulated = np.zeros(types.size, dtype=bool)
+    if strength == 0 and not condition:
+        return None, stimulated
+    rng = np.random.default_rng([seed, 2])
+    log_shift = np.zeros((n_batches, n_types, n_genes))
+    if strength > 0:
+        log_shift[1:] = rng.normal(0.0, strength, (n_batches - 1, n_types, n_genes))
+    if condition:
+        program = rng.choice(n_genes, n_program, replace=False)
+        up = np.log(fold) * rng.lognormal(0.0, 0.3, n_program)
+        for b, ts in sorted(condition.items()):
+            for t in ts:
+                log_shift[b, t, program] += up
+            stimulated |= (batches == b) & np.isin(types, list(ts))
+    return np.exp(log_shift), stimulated
 
 
 def _profiles(rng, n_genes: int, n_types: int, markers: int, fold: float) -> np.ndarray:
