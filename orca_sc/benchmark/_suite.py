@@ -45,7 +45,8 @@ class SimSetting:
     are subtypes of a seen type drawn at random (its whole profile plus a program of their own:
     a novel type a seen head can absorb). ``type_batch_strength``: a batch effect that differs by
     type (the shift severity); ``condition_types``: that many seen types, drawn at random, carry
-    in the query a gene program the reference lacks (as after a stimulation);
+    in the query a gene program of ``condition_genes`` genes (default ``markers_per_type``) the
+    reference lacks (as after a stimulation);
     ``n_queries``: the query is that many batches of ``n_query`` cells each, annotated together
     as several queries (``task.info['query_key']``).
     """
@@ -64,6 +65,7 @@ class SimSetting:
     library_size: float = 3000.0
     type_batch_strength: float = 0.0
     condition_types: int = 0
+    condition_genes: int | None = None
     n_queries: int = 1
 
     def describe(self) -> str:
@@ -116,6 +118,7 @@ def make_sim_task(setting: SimSetting, seed: int) -> Task:
         library_size=s.library_size,
         type_batch_strength=s.type_batch_strength,
         condition={b: responding for b in range(1, 1 + s.n_queries)} if responding else None,
+        condition_genes=s.condition_genes,
         seed=seed,
     )
     task = batch_split(
@@ -155,6 +158,9 @@ def sim_settings(large: bool = True) -> list[SimSetting]:
         # lacks, with and without hidden types
         replace(b, name="condition3", condition_types=3),
         replace(b, name="condition3_novel0", condition_types=3, n_novel=0),
+        replace(b, name="condition3_g200", condition_types=3, condition_genes=200),
+        replace(b, name="condition3_g200_novel0", condition_types=3, condition_genes=200,
+                n_novel=0),
         # the shift severity: a batch effect that differs by type, swept
         replace(b, name="typeshift0.2", type_batch_strength=0.2),
         replace(b, name="typeshift0.4", type_batch_strength=0.4),
