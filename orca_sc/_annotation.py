@@ -12,6 +12,10 @@ import numpy as np
 from . import __version__
 from ._discover._stage import _FEW_LABELS
 
+#: sections of a prediction's record that an annotation never has, and the reverse
+_PREDICT_ONLY = frozenset({"n_genes_missing", "model_version"})
+_ANNOTATE_ONLY = frozenset({"queries"})
+
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -57,12 +61,13 @@ class RunRecord:
         """
         out: dict[str, Any] = {}
         not_made = []
+        other_mode = _ANNOTATE_ONLY if self.mode == "predict" else _PREDICT_ONLY
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
-                not_made.append(f.name)
-            else:
+            if value is not None:
                 out[f.name] = jsonable(value)
+            elif f.name not in other_mode:
+                not_made.append(f.name)
         out["not_made"] = not_made
         return out
 

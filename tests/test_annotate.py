@@ -60,6 +60,17 @@ def test_output_contract(small_sim, tmp_path):
     small_sim.write_h5ad(tmp_path / "out.h5ad")  # uns is storable
     back = ad.read_h5ad(tmp_path / "out.h5ad")
     assert (back.obs["orca_label"] == obs["orca_label"]).all()
+    # the record read back, typed: what the run did not make is None, and listed as such
+    rec = orca_sc.tl.RunRecord.from_uns(back.uns["orca"])
+    assert rec.self_check is None and rec.majority_vote is None
+    assert set(u["not_made"]) == {"self_check", "majority_vote"}  # the options left off
+    assert rec.novelty_test is not None and rec.mode == "single"
+    assert list(rec.seen_classes) == list(u["seen_classes"])
+    notes = [*u["estimate"].get("notes", []), *u["novelty_test"].get("notes", [])]
+    assert rec.notes == [str(n) for n in notes]
+    # a record from before the typed one (no not_made), or none at all, reads back too
+    old = orca_sc.tl.RunRecord.from_uns({k: v for k, v in u.items() if k != "not_made"})
+    assert old.novelty_test is not None and orca_sc.tl.RunRecord.from_uns({}).training is None
 
 
 def test_same_seed_same_labels_and_copy(small_sim):

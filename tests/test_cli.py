@@ -140,6 +140,11 @@ def test_save_predict_round_trip_gives_annotate_labels(annotated, files):
     p = ad.read_h5ad(out_pred)
     np.testing.assert_array_equal(p.obs["orca_label"].astype(str), a.obs["orca_label"].astype(str))
     assert p.uns["orca"]["mode"] == "predict"
+    # a prediction trains nothing: its record says which sections it did not make
+    rec = orca_sc.tl.RunRecord.from_uns(p.uns["orca"])
+    assert rec.training is None and rec.novelty_test is None and rec.model_version is not None
+    assert {"training", "history", "estimate"} <= set(p.uns["orca"]["not_made"])
+    assert "queries" not in p.uns["orca"]["not_made"]
     assert "Cells per predicted label:" in r.stdout
     out_pred.unlink()
 
