@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
-
 
 def harmony(pcs: np.ndarray, batch: np.ndarray, seed: int = 0) -> np.ndarray:
     """Harmony's corrected embedding ``(n, d)`` of the PCA ``pcs`` ``(n, d)`` with one batch
