@@ -55,7 +55,10 @@ def small_sim():
     return open_world(a, ["type_0", "type_1", "type_2"])
 
 
+#: a short schedule for tests (the defaults train longer on small data)
 FAST = {"n_genes": None, "epochs": 5, "min_steps": 150, "warmup_epochs": 1, "progress": False}
+#: :data:`FAST` on the command line
+FAST_ARGS = ["--epochs", "5", "--warmup-epochs", "1", "--min-steps", "150", "--n-genes", "0", "-q"]
 
 
 @dataclass(frozen=True)

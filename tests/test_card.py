@@ -8,12 +8,10 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FAST
+from conftest import FAST, FAST_ARGS
 
 import orca_sc
 from orca_sc.cli import main
-
-FAST_ARGS = ["--epochs", "5", "--warmup-epochs", "1", "--min-steps", "150", "--n-genes", "0"]
 
 
 @pytest.fixture(scope="module")

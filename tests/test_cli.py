@@ -12,13 +12,12 @@ import pytest
 import scipy.sparse as sp
 import torch
 from click.testing import CliRunner
-from conftest import assert_cli_error
+from conftest import FAST_ARGS, assert_cli_error
 
 import orca_sc
 from orca_sc.cli import main
 
 SEEN = ["type_0", "type_1", "type_2"]
-FAST_ARGS = ["--epochs", "5", "--warmup-epochs", "1", "--min-steps", "150", "--n-genes", "0", "-q"]
 
 
 def _sha(path):

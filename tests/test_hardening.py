@@ -11,7 +11,7 @@ import pytest
 import scanpy as sc
 import scipy.sparse as sp
 from click.testing import CliRunner
-from conftest import assert_cli_error
+from conftest import FAST, FAST_ARGS, assert_cli_error
 
 import orca_sc
 from orca_sc import OrcaInputError
@@ -20,8 +20,6 @@ from orca_sc._discover import name_heads
 from orca_sc._read import detect_scale, get_matrix
 from orca_sc.cli import main
 
-FAST = {"n_genes": None, "epochs": 5, "min_steps": 150, "warmup_epochs": 1, "progress": False}
-FAST_ARGS = ["--epochs", "5", "--warmup-epochs", "1", "--min-steps", "150", "--n-genes", "0", "-q"]
 SEEN = ["type_0", "type_1", "type_2"]
 
 

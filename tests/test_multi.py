@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from conftest import FAST
+from conftest import FAST, FAST_ARGS
 
 import orca_sc
 from orca_sc import OrcaInputError
@@ -96,9 +96,8 @@ def test_cli_writes_each_query_to_its_own_file(three, tmp_path):
     ref.write_h5ad(tmp_path / "ref.h5ad")
     q1.write_h5ad(tmp_path / "s1.h5ad")
     q2.write_h5ad(tmp_path / "s2.h5ad")
-    fast = ["--epochs", "5", "--warmup-epochs", "1", "--min-steps", "150", "--n-genes", "0", "-q"]
     args = ["annotate", tmp_path / "ref.h5ad", tmp_path / "s1.h5ad", tmp_path / "s2.h5ad",
-            "--labels-key", "cell_type", *fast]  # fmt: skip
+            "--labels-key", "cell_type", *FAST_ARGS]  # fmt: skip
     r = CliRunner().invoke(main, [str(x) for x in args])
     assert r.exit_code == 0, r.output
     o1, o2 = (ad.read_h5ad(tmp_path / f"s{i}.orca.h5ad") for i in (1, 2))

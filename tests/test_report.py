@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
-from conftest import FAST  # noqa: E402
+from conftest import FAST, FAST_ARGS  # noqa: E402
 
 import orca_sc  # noqa: E402
 from orca_sc import OrcaInputError  # noqa: E402
@@ -87,11 +87,10 @@ def test_cli_writes_html_or_json_by_suffix(tmp_path):
     ref_mask &= rng.random(a.n_obs) < 0.5
     a[ref_mask].copy().write_h5ad(tmp_path / "ref.h5ad")
     a[~ref_mask].copy().write_h5ad(tmp_path / "q.h5ad")
-    fast = ["--epochs", "5", "--warmup-epochs", "1", "--min-steps", "150", "--n-genes", "0", "-q"]
     for name in ("run.html", "run.json"):
         args = ["annotate", tmp_path / "ref.h5ad", tmp_path / "q.h5ad", "--labels-key",
                 "cell_type", "-o", tmp_path / f"{name}.h5ad", "--report", tmp_path / name,
-                "--truth-key", "cell_type", *fast]  # fmt: skip
+                "--truth-key", "cell_type", *FAST_ARGS]  # fmt: skip
         r = CliRunner().invoke(main, [str(x) for x in args])
         assert r.exit_code == 0, r.output
     assert (tmp_path / "run.html").read_text().startswith("<!DOCTYPE html>")

@@ -6,6 +6,7 @@ import ast
 import importlib
 import inspect
 import pkgutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -91,6 +92,15 @@ def test_size_check_repeats_discovery_on_a_sample_and_says_where_they_disagree()
     assert "found 0 candidate novel cluster(s) among 500 cells, but 2 when" in told.notes[-1]
     assert "'no novel type' is not supported" in told.notes[-1]
     assert told.record()["notes"][-1] == told.notes[-1]
+    # a threshold far below the sample's is degenerate: said, with both figures; labels kept
+    assert not rec["threshold_degenerate"] and rec["threshold"] == found.threshold
+    low = replace(found, threshold=0.4 * rec["sample_threshold"])
+    flat = size_check(low, truth.size, on, sample_cells=200)
+    assert flat.diagnostics["size_check"]["threshold_degenerate"]
+    assert flat.diagnostics["size_check"]["agrees"]  # the counts agree: only the threshold
+    assert len(flat.notes) == len(found.notes) + 1 and "threshold" in flat.notes[-1]
+    assert f"{low.threshold:.3f}" in flat.notes[-1]
+    np.testing.assert_array_equal(flat.assign, found.assign)
 
 
 def test_discovery_n_neighbors_reaches_every_graph(monkeypatch):

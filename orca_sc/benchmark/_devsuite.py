@@ -149,7 +149,9 @@ def _size_check_columns(check: dict | None) -> dict:
     if not check:
         return {}
     return {"size_check_sample_candidates": check["sample_candidates"],
-            "size_check_agrees": bool(check["agrees"])}  # fmt: skip
+            "size_check_agrees": bool(check["agrees"]),
+            "size_check_sample_threshold": check.get("sample_threshold"),
+            "size_check_threshold_degenerate": bool(check.get("threshold_degenerate", False))}  # fmt: skip
 
 
 def _self_check_columns(check: dict | None) -> dict:
