@@ -87,6 +87,8 @@ class DiscoveryConfig:
         Folds of labelled cells cross-fitting the novelty p-values (one warm-up each; 0: no p-values).
     integration
         ``"harmony"``: discovery reads the batches integrated by Harmony on the joint PCA (``"none"``: a PCA of each cell set).
+    use_rep
+        Key of ``obsm`` holding the user's own integrated embedding of every cell (e.g. ``"X_scVI"``), present on reference and query alike: discovery reads it instead of a PCA (``None``: not used).
 
     """
 
@@ -118,6 +120,7 @@ class DiscoveryConfig:
     novelty_alpha: float = 0.05
     novelty_folds: int = 5
     integration: str = "none"
+    use_rep: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
@@ -164,6 +167,14 @@ class DiscoveryConfig:
             _invalid("self_check", self.self_check, "True or False")
         if self.integration not in ("none", "harmony"):
             _invalid("integration", self.integration, '"none" or "harmony"')
+        rep = self.use_rep
+        if rep is not None and not (isinstance(rep, str) and rep):
+            _invalid("use_rep", rep, "the name of an obsm key or None")
+        if rep is not None and self.integration != "none":
+            _invalid(
+                "integration", self.integration,
+                f'"none" when use_rep is given (use_rep={rep!r} is the integrated space already)',
+            )  # fmt: skip
         thr = self.merge_threshold
         if thr is not None and not (_is_number(thr) and 0 < thr <= 1):
             _invalid("merge_threshold", thr, "a number in (0, 1] or None")

@@ -41,6 +41,7 @@ class PreparedData:
     output_rows: np.ndarray  # rows belonging to the AnnData that receives the results
     input_scale: dict[str, str] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    rep: np.ndarray | None = None  # (n_cells, d) float32: the user's embedding (use_rep)
 
     @property
     def n_cells(self) -> int:
@@ -209,6 +210,7 @@ def prepare(
     n_unlabeled = int((enc.labels < 0).sum())
     _check_n_novel(config.n_novel, n_unlabeled)
     domain_names, domain = np.unique(enc.batches.astype(str), return_inverse=True)
+    rep = read_rep(enc.inputs, config.discovery.use_rep)
     X, hv, input_scale = read_selected(enc.inputs, domain, domain_names, config, comm)
     X.sort_indices()
     genes = [enc.genes[i] for i in hv]
@@ -229,7 +231,55 @@ def prepare(
         output_rows=enc.output_rows,
         input_scale=input_scale,
         info=info,
+        rep=rep,
     )
+
+
+def read_rep(inputs: list[_Input], key: str | None) -> np.ndarray | None:
+    """``obsm[key]`` of every input's used rows, in row order, as one ``(n_cells, d)`` float32
+    array (``None`` without ``key``). Checked: present in every input, a numeric matrix of at
+    least 2 columns, finite, and of one width across the inputs.
+    """
+    if key is None:
+        return None
+    parts, widths = [], {}
+    for inp in inputs:
+        a = inp.adata
+        if key not in a.obsm:
+            have = list(a.obsm.keys())
+            msg = (
+                f"use_rep={key!r} is not in the {inp.what}'s obsm (it holds "
+                f"{have if have else 'nothing'}); store the joint embedding of reference and "
+                "query (e.g. scvi-tools' get_latent_representation()) in each, or leave "
+                "use_rep unset."
+            )
+            raise OrcaInputError(msg)
+        m = a.obsm[key]
+        m = m.toarray() if sp.issparse(m) else np.asarray(m)
+        if m.ndim != 2 or m.shape[1] < 2 or not np.issubdtype(m.dtype, np.number):
+            msg = (
+                f"obsm[{key!r}] of the {inp.what} is not a numeric matrix of at least 2 "
+                f"columns (shape {m.shape}, dtype {m.dtype}); pass an embedding, one row per cell."
+            )
+            raise OrcaInputError(msg)
+        if inp.keep is not None:
+            m = m[inp.keep]
+        bad = int(np.size(m) - np.isfinite(m).sum())
+        if bad:
+            msg = (
+                f"obsm[{key!r}] of the {inp.what} holds {bad} non-finite value(s) (NaN or "
+                "infinite); recompute the embedding or drop those cells."
+            )
+            raise OrcaInputError(msg)
+        widths[inp.what] = m.shape[1]
+        parts.append(m.astype(np.float32, copy=False))
+    if len(set(widths.values())) > 1:
+        msg = (
+            f"obsm[{key!r}] has {widths} columns: reference and query need one joint embedding "
+            "of the same width (compute it on their cells together)."
+        )
+        raise OrcaInputError(msg)
+    return np.ascontiguousarray(np.concatenate(parts))
 
 
 def _encode_single(adata: Any, labels_key: str, config: OrcaConfig) -> _Encoded:

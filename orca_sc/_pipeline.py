@@ -100,10 +100,15 @@ class RunContext:
         """The space discovery reads for the cells ``rows`` (``batch``: their batches):
         ``pca_of(idx)`` (positions into ``rows``) and its record. By default the PCA of each
         cell set's aligned expression; with ``discovery.integration="harmony"`` and several
-        batches, the rows of one Harmony embedding of the joint PCA of all of ``rows``.
+        batches, the rows of one Harmony embedding of the joint PCA of all of ``rows``; with
+        ``discovery.use_rep``, the rows of the user's embedding.
         """
         dc, seed = self.config.discovery, self.config.seed
         info: dict[str, Any] = {"method": "none"}
+        if self.data.rep is not None:  # the user's own integrated embedding
+            rep = self.data.rep[rows]
+            info = {"method": "use_rep", "key": dc.use_rep, "width": int(rep.shape[1])}
+            return rep.__getitem__, info
         if dc.integration == "none":
             return (lambda idx: self.pca(dc.n_pcs, rows[idx])), info
         done: list[np.ndarray | None] = []

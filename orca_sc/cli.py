@@ -294,6 +294,13 @@ def _add(options):
     "PCA (recorded in uns 'orca' 'estimate' 'integration').",
 )
 @click.option(
+    "--use-rep",
+    default=None,
+    metavar="KEY",
+    help="Discovery reads your own joint embedding obsm KEY (e.g. X_scVI), present in reference "
+    "and query alike, instead of a PCA.",
+)
+@click.option(
     "--majority-vote",
     is_flag=True,
     help="Refine the labels by majority voting over an over-clustering of the query "
@@ -304,7 +311,7 @@ def _add(options):
 @click.pass_context
 def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer, batch_key,
              unlabeled_category, epochs, warmup_epochs, min_steps, batch_size, lr, device, seed, save_model, self_check,
-             novelty_alpha, novelty_folds, integration, majority_vote, truth_key, report, on_disk,
+             novelty_alpha, novelty_folds, integration, use_rep, majority_vote, truth_key, report, on_disk,
              overwrite, quiet):  # fmt: skip
     """Annotate QUERY.h5ad (one or several) with the cell types of REF.h5ad, discovering
     novel types.
@@ -357,6 +364,7 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
             novelty_alpha=novelty_alpha,
             novelty_folds=novelty_folds,
             integration=integration,
+            use_rep=use_rep,
             majority_vote=majority_vote,
         )
         _check_device(device)

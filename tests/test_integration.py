@@ -90,3 +90,69 @@ def test_integration_figures_see_mixing_and_over_correction():
                   [s for s in seen if s != "type_0"], single=False)  # fmt: skip
     g = B.integration_figures(fake, seed=0)
     assert g["over_harmony"] > 0.9 and g["over_harmony"] >= g["over_pca"]
+
+
+def _truth_rep(adata, as_type=None, width=8, seed=0):
+    """An embedding that places each cell at its true type's point (plus a little noise);
+    ``as_type``: types drawn at another type's point (an embedding that merges them).
+    """
+    rng = np.random.default_rng(seed)
+    centres = {f"type_{i}": rng.normal(size=width) * 5 for i in range(5)}
+    types = adata.obs["cell_type"].astype(str).map(lambda t: (as_type or {}).get(t, t))
+    return np.stack([centres[t] for t in types]) + rng.normal(size=(adata.n_obs, width)) * 0.1
+
+
+def test_use_rep_is_the_space_discovery_reads():
+    """``use_rep``: discovery reads the user's joint embedding. One that keeps ``type_4`` apart
+    finds it; one that draws ``type_4`` onto ``type_0`` makes it no candidate of its own, although
+    the expression is the same.
+    """
+    ref, query = _two_batches()
+    is4 = (query.obs["cell_type"] == "type_4").to_numpy()
+    out = {}
+    for name, merge in (("apart", None), ("merged", {"type_4": "type_0"})):
+        r, q = ref.copy(), query.copy()
+        r.obsm["X_emb"] = _truth_rep(r, merge, seed=1)
+        q.obsm["X_emb"] = _truth_rep(q, merge, seed=2)
+        orca_sc.tl.annotate(q, r, labels_key="cell_type", use_rep="X_emb", **(FAST | LABELS_ONLY))
+        assert q.uns["orca"]["estimate"]["integration"] == {
+            "method": "use_rep", "key": "X_emb", "width": 8,
+        }  # fmt: skip
+        assert q.uns["orca"]["params"]["discovery"]["use_rep"] == "X_emb"
+        out[name] = q.obs["orca_novel"].notna().to_numpy()
+    assert out["apart"][is4].mean() > 0.8 and out["apart"][~is4].mean() < 0.1
+    assert out["merged"][is4].mean() < 0.2
+
+
+def test_use_rep_is_checked_before_any_work(tmp_path):
+    from click.testing import CliRunner
+    from conftest import FAST_ARGS, assert_cli_error
+
+    from orca_sc.cli import main
+
+    ref, query = _two_batches()
+    ref.obsm["X_emb"] = np.zeros((ref.n_obs, 4), dtype=np.float32)
+
+    def err(q, **kw):
+        with pytest.raises(orca_sc.OrcaInputError) as e:
+            orca_sc.tl.annotate(q, ref, labels_key="cell_type", **(FAST | kw))
+        assert "orca" not in q.obs and "orca" not in q.uns  # nothing written
+        return str(e.value)
+
+    msg = err(query.copy(), use_rep="X_emb")
+    assert "'X_emb' is not in the query's obsm" in msg and "holds nothing" in msg
+    q = query.copy()
+    q.obsm["X_emb"] = np.zeros((q.n_obs, 6), dtype=np.float32)
+    assert "'reference': 4, 'query': 6" in err(q, use_rep="X_emb")
+    q.obsm["X_emb"] = np.zeros((q.n_obs, 4), dtype=np.float32)
+    q.obsm["X_emb"][3, 1] = np.nan
+    assert "holds 1 non-finite value" in err(q, use_rep="X_emb")
+    assert "use_rep" in err(query.copy(), use_rep="X_emb", integration="harmony")
+    # the CLI: one line on stderr, exit 2, nothing written
+    ref.write_h5ad(tmp_path / "ref.h5ad")
+    query.write_h5ad(tmp_path / "q.h5ad")
+    r = CliRunner().invoke(main, ["annotate", str(tmp_path / "ref.h5ad"), str(tmp_path / "q.h5ad"),
+                                  "--labels-key", "cell_type", "--use-rep", "X_emb",
+                                  "-o", str(tmp_path / "out.h5ad"), *FAST_ARGS])  # fmt: skip
+    assert_cli_error(r, "'X_emb' is not in the query's obsm")
+    assert not (tmp_path / "out.h5ad").exists()
