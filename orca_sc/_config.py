@@ -85,6 +85,8 @@ class DiscoveryConfig:
         Level of the conformal novelty test: known-type cells exchangeable with the reference get p <= alpha at most this often.
     novelty_folds
         Folds of labelled cells cross-fitting the novelty p-values (one warm-up each; 0: no p-values).
+    cross_fit_threshold
+        Cap the out-of-distribution threshold at the ``ood_max_rate`` quantile of the labelled cells' cross-fitted cosines (the novelty folds' warm-ups; no label is lost).
     integration
         ``"harmony"``: discovery reads the batches integrated by Harmony on the joint PCA (``"none"``: a PCA of each cell set).
     use_rep
@@ -119,6 +121,7 @@ class DiscoveryConfig:
     no_warmup_rel_threshold: float = 0.1
     novelty_alpha: float = 0.05
     novelty_folds: int = 5
+    cross_fit_threshold: bool = False
     integration: str = "none"
     use_rep: str | None = None
 
@@ -165,6 +168,8 @@ class DiscoveryConfig:
             _invalid("novelty_folds", folds, "0 (no p-values) or an integer >= 2")
         if not isinstance(self.self_check, bool):
             _invalid("self_check", self.self_check, "True or False")
+        if not isinstance(self.cross_fit_threshold, bool):
+            _invalid("cross_fit_threshold", self.cross_fit_threshold, "True or False")
         if self.integration not in ("none", "harmony"):
             _invalid("integration", self.integration, '"none" or "harmony"')
         rep = self.use_rep

@@ -238,8 +238,17 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     with stage("self-check"):
         check = self_check(run) if run.config.discovery.self_check else None
     t1 = time.perf_counter()
+    dc = run.config.discovery
+    side = None
+    if dc.novelty_folds and run.plan.warmup > 0:
+        with stage("cross-fitted warm-ups"):
+            side = fold_warmups(run, dc.novelty_folds)
+    t_side = time.perf_counter() - t1
+    held_out = side.held_out_similarity if side is not None and dc.cross_fit_threshold else None
     with stage("discovery"):
-        cand = find_candidates(run, warm.net, warm.held, warmed_up=run.plan.warmup > 0)
+        cand = find_candidates(
+            run, warm.net, warm.held, warmed_up=run.plan.warmup > 0, held_out=held_out
+        )
     with stage("size check"):
         cand = check_size(run, warm.held, cand)
     t2 = time.perf_counter()
@@ -253,11 +262,10 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     with stage("inference"):
         probs, embedding = infer(ow.net, run.cells, comm=run.comm)
     t4 = time.perf_counter()
-    folds = run.config.discovery.novelty_folds
     pvalues, fold_pred = None, None
-    if folds and run.plan.warmup > 0:
+    if side is not None:
         with stage("novelty test (cross-fit)"):
-            pvalues, fold_pred = cross_fit(run, folds, probs[:, : run.n_seen].argmax(axis=1))
+            pvalues, fold_pred = cross_fit(run, side, probs[:, : run.n_seen].argmax(axis=1))
     t5 = time.perf_counter()
     cells = run.cells
     training = {"device": str(cells.device), "layout": cells.layout, "density": cells.density,
@@ -265,7 +273,8 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     return Fit(
         run.data, run.transform, run.config, run.plan, ow.net, warm.history + ow.history, found,
         check, _anchor_centroids(run), probs, embedding,
-        Timings(t1 - t0, t2 - t1, t3 - t2, t5 - t4), training, pvalues, fold_pred,
+        Timings(t1 - t0, t2 - t1 - t_side, t3 - t2, t5 - t4 + t_side), training, pvalues,
+        fold_pred,
     )  # fmt: skip
 
 
@@ -298,9 +307,12 @@ def find_candidates(
     warmed_up: bool = True,
     labels: np.ndarray | None = None,
     domain: np.ndarray | None = None,
+    held_out: np.ndarray | None = None,
 ) -> Candidates:
     """The discover stage on (at most ``discovery.max_cells``) cells; ``labels`` and ``domain``
-    replace the data's (the self-check hides some). A decision: made on rank 0.
+    replace the data's (the self-check hides some); ``held_out``: every cell's cross-fitted best
+    seen-head cosine (:func:`fold_warmups`), which caps the threshold. A decision: made on
+    rank 0.
     """
     data, cfg, dc = run.data, run.config, run.config.discovery
     labels = data.labels if labels is None else labels
@@ -318,6 +330,7 @@ def find_candidates(
     cells = DiscoveryInput(
         emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
         domain_names=[*data.domain_names, "self-check"],
+        held_out_similarity=None if held_out is None else held_out[rows],
     )  # fmt: skip
     found = run.comm.on_main(_discover_in, cells, dc, cfg, space)
     return Candidates(found, rows, similarity.max(axis=1))
@@ -413,19 +426,54 @@ def self_check(run: RunContext) -> dict[str, Any]:
 NOVELTY_REFERENCE_CELLS = 2_000
 
 
+@dataclass(frozen=True)
+class FoldNets:
+    """The cross-fitted warm-ups: ``folds`` (each labelled cell's fold, ``-1`` unlabelled), one
+    supervised net per fold trained without it (``None`` for an empty fold), and every labelled
+    cell's best seen-head cosine in the net of its fold (``held_out_similarity``, NaN for
+    unlabelled cells).
+    """
+
+    folds: np.ndarray
+    nets: list[OrcaNet | None]
+    held_out_similarity: np.ndarray
+
+
+def fold_warmups(run: RunContext, n_folds: int) -> FoldNets:
+    """One supervised warm-up without each of ``n_folds`` folds of the labelled cells (stratified
+    by type; the random streams of the run's seed + 100 + fold), and each held-out cell's best
+    cosine to a seen head of its fold's net.
+    """
+    data, cfg = run.data, run.config
+    folds = fold_ids(data.labels, n_folds, cfg.seed)
+    nets: list[OrcaNet | None] = []
+    held_out = np.full(data.n_cells, np.nan)
+    for f in range(n_folds):  # loop over folds, not cells
+        held = folds == f
+        if not held.any():
+            nets.append(None)
+            continue
+        with stage("fold warm-ups"):
+            net = _side_warmup(run, held, cfg.seed + 100 + f)
+        nets.append(net)
+        rows = np.flatnonzero(held)
+        held_out[rows] = seen_similarity(net, run.cells, rows, run.comm)[1].max(axis=1)
+    return FoldNets(folds, nets, held_out)
+
+
 def cross_fit(
-    run: RunContext, n_folds: int, seen_top: np.ndarray
+    run: RunContext, side: FoldNets, seen_top: np.ndarray
 ) -> tuple[np.ndarray, FoldPredictions]:
-    """One supervised warm-up without each of ``n_folds`` folds of the labelled cells, for two
-    uses. (1) The cross-fitted conformal novelty p-value of every unlabelled cell (NaN for
-    labelled ones; :mod:`orca_sc._conformal`): the held-out cells calibrate the kNN score of the
-    unlabelled cells (neighbours among at most :data:`NOVELTY_REFERENCE_CELLS` of the fold's
-    training cells). (2) The fold nets' predictions that calibrate the confidence
+    """The cross-fitted warm-ups (:func:`fold_warmups`) put to two uses. (1) The cross-fitted
+    conformal novelty p-value of every unlabelled cell (NaN for labelled ones;
+    :mod:`orca_sc._conformal`): the held-out cells calibrate the kNN score of the unlabelled
+    cells (neighbours among at most :data:`NOVELTY_REFERENCE_CELLS` of the fold's training
+    cells). (2) The fold nets' predictions that calibrate the confidence
     (:mod:`orca_sc._calibration`); ``seen_top``: every cell's most probable known type under the
     final net.
     """
     data, cfg = run.data, run.config
-    folds = fold_ids(data.labels, n_folds, cfg.seed)
+    folds, n_folds = side.folds, len(side.nets)
     test = np.flatnonzero(~data.labeled)
     counts = CrossConformal(test.size)
     rng = np.random.default_rng(cfg.seed)
@@ -433,12 +481,10 @@ def cross_fit(
     held_correct = np.zeros(data.n_cells, dtype=bool)
     label_prob = np.full((n_folds, data.n_cells), np.nan, dtype=np.float32)
     at = np.empty(data.n_cells, dtype=np.int64)  # a cell's row in the fold's inference
-    for f in range(n_folds):  # loop over folds, not cells
+    for f, net in enumerate(side.nets):  # loop over folds, not cells
         held = folds == f
-        if not held.any():
+        if net is None:
             continue
-        with stage("fold warm-ups"):
-            net = _side_warmup(run, held, cfg.seed + 100 + f)
         train = np.flatnonzero(data.labeled & ~held)
         if train.size > NOVELTY_REFERENCE_CELLS:  # the same random labelled cells score all
             train = np.sort(rng.choice(train, NOVELTY_REFERENCE_CELLS, replace=False))

@@ -153,12 +153,13 @@ def test_hooks_see_every_stage_and_check_and_change_nothing(annotated_twice):
     plain, watched, timer, trace = annotated_twice
     assert plain.obs["orca_label"].equals(watched.obs["orca_label"])
     assert np.array_equal(plain.obsm["X_orca"], watched.obsm["X_orca"])
-    for stage in ("prepare", "alignment", "warm-up", "discovery", "open-world fit", "inference",
-                  "novelty test (cross-fit)", "naming, novelty and calibration"):  # fmt: skip
+    for stage in ("prepare", "alignment", "warm-up", "cross-fitted warm-ups", "discovery",
+                  "open-world fit", "inference", "novelty test (cross-fit)",
+                  "naming, novelty and calibration"):  # fmt: skip
         assert timer.calls[stage] == 1, stage
     assert timer.calls["fold warm-ups"] == 5
     assert timer.calls["margin refresh"] >= 2  # one per epoch of each phase
-    assert timer.seconds["novelty test (cross-fit)"] >= timer.seconds["fold warm-ups"] > 0
+    assert timer.seconds["cross-fitted warm-ups"] >= timer.seconds["fold warm-ups"] > 0
     assert timer.phases["warm-up"] > 0 and timer.phases["open-world"] > 0
     # the trace: every check of the run's phases (main warm-up, open-world, five folds)
     phases = {r["phase"].split(":")[1] for r in trace.rows}

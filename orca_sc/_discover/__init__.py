@@ -76,7 +76,9 @@ class DiscoveryInput:
     cosine to each seen head; ``labels`` (``-1`` unlabelled); ``domain``: batch codes;
     ``pca_of(idx)``: the PCA of the aligned expression of the cells ``idx``; ``calibration``:
     labelled cells the warm-up did not train on (:func:`calibration_split`), which cap the
-    threshold (:func:`ood_threshold`); ``domain_names``: the batches' names, for the record.
+    threshold (:func:`ood_threshold`); ``held_out_similarity`` ``(n,)``: each labelled cell's best
+    seen-head cosine in a cross-fitted warm-up that did not train on it (NaN elsewhere), which
+    caps it too; ``domain_names``: the batches' names, for the record.
     """
 
     embedding: np.ndarray
@@ -86,6 +88,7 @@ class DiscoveryInput:
     pca_of: Callable[[np.ndarray], np.ndarray]
     calibration: np.ndarray | None = None
     domain_names: list[str] | None = None
+    held_out_similarity: np.ndarray | None = None
 
 
 def discover(
@@ -113,7 +116,10 @@ def discover(
         labels, pca_cells, seed=seed, calibrate=bool((~lab & ~query).any()), cfg=cfg
     )
     calib = np.zeros_like(lab) if calibration is None else calibration & lab
-    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg)
+    held_out = cells.held_out_similarity
+    if held_out is not None:
+        held_out = np.where(lab, held_out, np.nan)
+    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg, held_out)
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
         resolution=resolution, seed=seed, exclude=ev.supported | query,

@@ -6,6 +6,7 @@ the batch voted by their share of such cells (:func:`query_ood_clusters`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -47,22 +48,35 @@ def _hold_out_per_class(labels: np.ndarray, frac: float, rng: np.random.Generato
 
 
 def ood_threshold(
-    maxcos: np.ndarray, train: np.ndarray, calibration: np.ndarray, cfg: DiscoveryConfig
+    maxcos: np.ndarray,
+    train: np.ndarray,
+    calibration: np.ndarray,
+    cfg: DiscoveryConfig,
+    held_out: np.ndarray | None = None,
 ) -> tuple[float, dict[str, float]]:
     """The out-of-distribution threshold on the best cosine to a seen head: the
     ``cfg.ood_quantile`` of the labelled cells the warm-up trained on (``train``), capped at the
-    ``cfg.ood_max_rate`` quantile of labelled cells held out of it (``calibration``), so that a
-    known-type cell the net has not seen is called out-of-distribution at most that often.
-    Returns the threshold and both candidates.
+    ``cfg.ood_max_rate`` quantile of labelled cells held out of it (``calibration``) and at the
+    same quantile of the cross-fitted cosines ``held_out`` (each labelled cell's best cosine in
+    a warm-up that did not train on it; NaN where there is none), so that a known-type cell the
+    net has not seen is called out-of-distribution at most that often. A cap needs at least
+    ``1 / ood_max_rate`` cells. Returns the threshold and its candidates.
     """
-    tau_train = float(np.quantile(maxcos[train], cfg.ood_quantile))
-    if not calibration.any():
-        return tau_train, {"threshold_in_sample": tau_train}
-    tau_cal = float(np.quantile(maxcos[calibration], cfg.ood_max_rate))
-    return min(tau_train, tau_cal), {
-        "threshold_in_sample": tau_train,
-        "threshold_held_out": tau_cal,
-    }
+    tau = float(np.quantile(maxcos[train], cfg.ood_quantile))
+    info = {"threshold_in_sample": tau}
+    min_cells = math.ceil(1 / cfg.ood_max_rate)
+    if calibration.any():
+        tau_cal = float(np.quantile(maxcos[calibration], cfg.ood_max_rate))
+        info["threshold_held_out"] = tau_cal
+        tau = min(tau, tau_cal)
+    if held_out is not None:
+        cf = held_out[np.isfinite(held_out)]
+        info["n_cross_fitted"] = int(cf.size)
+        if cf.size >= min_cells:
+            tau_cf = float(np.quantile(cf, cfg.ood_max_rate))
+            info["threshold_cross_fitted"] = tau_cf
+            tau = min(tau, tau_cf)
+    return tau, info
 
 
 def ood_clusters(
