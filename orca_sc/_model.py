@@ -15,7 +15,14 @@ import scipy.sparse as sp
 import torch
 
 from . import __version__
-from ._align import aligned_group_means, centroid_shift, identity, profile_similarity, standardize
+from ._align import (
+    aligned_group_means,
+    centroid_shift,
+    group_domain_means,
+    identity,
+    profile_similarity,
+    standardize,
+)
 from ._annotation import (
     Annotation,
     Naming,
@@ -29,6 +36,7 @@ from ._card import model_card
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
 from ._discover import match_known_types, match_novel_across_batches, name_heads
+from ._discover.naming import batch_background
 from ._engine import stage
 from ._errors import OrcaInputError, check_anndata, check_input_file
 from ._pipeline import Fit
@@ -208,19 +216,28 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
     n_seen, n_novel = len(classes), fit.found.n_heads
     unl = ~data.labeled
     counts = np.bincount(head[unl], minlength=n_seen + n_novel)[n_seen:]
-    pairs = []
+    pairs, same = [], []
     threshold = fit.config.discovery.merge_threshold
     if threshold is not None and n_novel > 0:
+        # the batches' background and the clusters' means, computed once for both matches
         clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
-        pairs = match_known_types(
-            data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold
+        background = batch_background(data.X, data.domain)
+        means, n_in = group_domain_means(
+            data.X, clusters, n_novel, data.domain, int(data.domain.max()) + 1
         )
-    same = []
+        pairs = match_known_types(
+            data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold,
+            background=background, cluster_means=(means, n_in),
+        )  # fmt: skip
     if threshold is not None and n_novel > 1:  # one novel type found in several batches
-        into_known = {h for h, _, _ in pairs}
-        clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
-        clusters[np.isin(clusters, list(into_known))] = -1
-        same = match_novel_across_batches(data.X, data.domain, clusters, n_novel, threshold)
+        into_known = [h for h, _, _ in pairs]
+        clusters[np.isin(clusters, into_known)] = -1
+        means, n_in = means.copy(), n_in.copy()
+        means[into_known], n_in[into_known] = 0.0, 0.0  # as if their cells were no cluster's
+        same = match_novel_across_batches(
+            data.X, data.domain, clusters, n_novel, threshold,
+            background=background, cluster_means=(means, n_in),
+        )  # fmt: skip
     head_names, order = name_heads(counts, classes, pairs, same)
     merged = {
         "cluster": [f"head_{h}" for h, _, _ in pairs],

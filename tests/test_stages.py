@@ -93,8 +93,11 @@ def test_size_check_repeats_discovery_on_a_sample_and_says_where_they_disagree()
     assert "'no novel type' is not supported" in told.notes[-1]
     assert told.record()["notes"][-1] == told.notes[-1]
     # a threshold far below the sample's is degenerate: said, with both figures; labels kept
-    assert not rec["threshold_degenerate"] and rec["threshold"] == found.threshold
-    low = replace(found, threshold=0.4 * rec["sample_threshold"])
+    assert not rec["threshold_degenerate"]
+    assert rec["threshold_in_sample"] == found.diagnostics["threshold_in_sample"]
+    low_tau = 0.4 * rec["sample_threshold"]
+    low = replace(found, threshold=low_tau,
+                  diagnostics={**found.diagnostics, "threshold_in_sample": low_tau})  # fmt: skip
     flat = size_check(low, truth.size, on, sample_cells=200)
     assert flat.diagnostics["size_check"]["threshold_degenerate"]
     assert flat.diagnostics["size_check"]["agrees"]  # the counts agree: only the threshold
@@ -249,12 +252,13 @@ def _run(task, **config):
     return r, q.uns["orca"]
 
 
-def test_few_labels_are_flagged_and_calibration_keeps_known_types_known():
+def test_few_labels_are_flagged_and_calibration_keeps_known_types_known(monkeypatch):
     """A 200-cell reference (8 seen types, the rarest with ~10 labelled cells) and a 150-cell
     query (~12 cells per type). With the threshold taken on the cells the warm-up trained on
     (the default), 37-63% of the known-type cells were called novel at seeds 0-2 of the
     development suite, and the output says the labels are few; calibrated on held-out cells
-    (``calibration_fraction=0.2``), known cells stay known (seen 0.85).
+    (``calibration_fraction=0.2``), known cells stay known (seen 0.85); capped at the
+    cross-fitted cosines (``cross_fit_threshold``), no more are, without a label lost.
     """
     task = _sim_task(n_ref=200, n_query=150)
     off, u_off = _run(task, **LABELS_ONLY)
@@ -267,6 +271,42 @@ def test_few_labels_are_flagged_and_calibration_keeps_known_types_known():
     assert u["estimate"]["n_calibration"] > 20
     assert u["estimate"]["threshold"] <= u["estimate"]["threshold_in_sample"]
     assert off["known_called_novel"] > r["known_called_novel"]
+    # the cross-fitted cap: every label trains the warm-up, each labelled cell is held out of
+    # one of the novelty test's five warm-ups, and fewer known-type cells are called novel
+    n_labelled = _count_warmup_labels(monkeypatch)
+    cf, u_cf = _run(task, cross_fit_threshold=True)
+    est = u_cf["estimate"]
+    assert len(n_labelled) == 6 and n_labelled[0] == task.reference.n_obs
+    assert est["n_cross_fitted"] == n_labelled[0] == sum(n_labelled[0] - n for n in n_labelled[1:])
+    assert est["threshold"] == est["threshold_cross_fitted"] < est["threshold_in_sample"]
+    assert "threshold_cross_fitted" not in u_off["estimate"]
+    assert cf["known_called_novel"] <= off["known_called_novel"]  # a lower threshold
+
+
+def test_threshold_capped_by_cross_fitted_cosines():
+    """The in-sample quantile is capped at the ``ood_max_rate`` quantile of the cross-fitted
+    cosines (cells no net trained on), given at least ``1 / ood_max_rate`` of them.
+    """
+    from orca_sc._discover import ood_threshold
+
+    rng = np.random.default_rng(0)
+    fitted = rng.uniform(0.8, 1.0, 400)  # cells the warm-up fitted: close to their heads
+    unseen = rng.uniform(0.2, 1.0, 400)  # the same cells in nets that did not see them
+    train, none = np.ones(400, bool), np.zeros(400, bool)
+    cfg = DiscoveryConfig()
+    tau, info = ood_threshold(fitted, train, none, cfg)
+    assert tau == info["threshold_in_sample"] == pytest.approx(np.quantile(fitted, 0.01))
+    assert "threshold_cross_fitted" not in info
+    capped, info = ood_threshold(fitted, train, none, cfg, held_out=unseen)
+    assert capped == info["threshold_cross_fitted"] == pytest.approx(np.quantile(unseen, 0.1))
+    assert capped < tau and info["n_cross_fitted"] == 400
+    few = np.full(400, np.nan)
+    few[:9] = 0.1  # fewer than 1 / ood_max_rate cells: no cap
+    same, info = ood_threshold(fitted, train, none, cfg, held_out=few)
+    assert same == tau and info["n_cross_fitted"] == 9 and "threshold_cross_fitted" not in info
+    # a cap above the in-sample quantile changes nothing
+    high, _ = ood_threshold(fitted, train, none, cfg, held_out=np.full(400, 0.99))
+    assert high == tau
 
 
 def _count_warmup_labels(monkeypatch) -> list[int]:

@@ -16,6 +16,28 @@ from .._config import DiscoveryConfig
 _DEFAULTS = DiscoveryConfig()
 
 
+def batch_background(X: sp.csr_matrix, domain: np.ndarray) -> np.ndarray:
+    """Mean expression over every cell of each batch, ``(n_domains, n_genes)``: the background
+    that the within-batch marker signatures of :func:`match_known_types` and
+    :func:`match_novel_across_batches` are taken against (computed once for both).
+    """
+    n_domains = int(domain.max()) + 1
+    zeros = np.zeros(X.shape[0], dtype=np.int64)
+    return group_domain_means(X, zeros, 1, domain, n_domains)[0][0]
+
+
+def _signatures(means, counts, background):
+    """Each group's within-batch marker signature (its mean in its main batch minus that batch's
+    ``background``, centred and L2-normalised), its main batch and its counts.
+    """
+    n_groups = means.shape[0]
+    main = counts.argmax(axis=1)  # each group's main batch
+    sig = means[np.arange(n_groups), main] - background[main]
+    sig = sig - sig.mean(axis=1, keepdims=True)
+    sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
+    return sig, main, counts
+
+
 def match_known_types(
     X: sp.csr_matrix,
     labels: np.ndarray,
@@ -24,6 +46,9 @@ def match_known_types(
     n_clusters: int,
     n_seen: int,
     threshold: float = _DEFAULTS.merge_threshold,
+    *,
+    background: np.ndarray | None = None,
+    cluster_means: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[tuple[int, int, float]]:
     """Novel clusters that are a known type seen in another batch.
 
@@ -36,22 +61,21 @@ def match_known_types(
     type, provided no cell of the type is labelled in the cluster's batch (within one batch the
     labels already say which cells belong to the type, so no cluster is merged there).
 
+    ``background`` (:func:`batch_background`) and ``cluster_means`` (the clusters'
+    :func:`group_domain_means`), where the caller has them, are not computed again.
+
     Returns ``[(cluster, type, correlation), ...]`` for the merged clusters.
     """
     n_domains = int(domain.max()) + 1
-    all_means, _ = group_domain_means(X, np.zeros(X.shape[0], dtype=np.int64), 1, domain, n_domains)
-    background = all_means[0]  # (n_domains, n_genes): mean over every cell of each batch
-
-    def signatures(groups, n_groups):
-        means, counts = group_domain_means(X, groups, n_groups, domain, n_domains)
-        main = counts.argmax(axis=1)  # each group's main batch
-        sig = means[np.arange(n_groups), main] - background[main]
-        sig = sig - sig.mean(axis=1, keepdims=True)
-        sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
-        return sig, main, counts
-
-    known, _, known_counts = signatures(labels, n_seen)  # -1 (unlabelled) is no group
-    novel, novel_main, novel_counts = signatures(clusters, n_clusters)
+    if background is None:
+        background = batch_background(X, domain)
+    if cluster_means is None:
+        cluster_means = group_domain_means(X, clusters, n_clusters, domain, n_domains)
+    # -1 (unlabelled) is no group
+    known, _, known_counts = _signatures(
+        *group_domain_means(X, labels, n_seen, domain, n_domains), background
+    )
+    novel, novel_main, novel_counts = _signatures(*cluster_means, background)
     corr = novel @ known.T  # (n_clusters, n_seen) Pearson correlation of the signatures
     # a type can only absorb a cluster whose batch has none of the type's labelled cells
     corr[known_counts[:, novel_main].T > 0] = -np.inf
@@ -70,23 +94,25 @@ def match_novel_across_batches(
     clusters: np.ndarray,
     n_clusters: int,
     threshold: float = _DEFAULTS.merge_threshold,
+    *,
+    background: np.ndarray | None = None,
+    cluster_means: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[tuple[int, int, float]]:
     """Novel clusters of different batches that are one novel type (e.g. a type present in two
     queries, found in each): their within-batch marker signatures (as in
     :func:`match_known_types`) correlate at least ``threshold`` and each is the other's best
-    match among the clusters of the other's batch. Returns ``[(cluster, same_as, correlation)]``
-    (``same_as`` the larger of the two).
+    match among the clusters of the other's batch. ``background`` and ``cluster_means`` as in
+    :func:`match_known_types`. Returns ``[(cluster, same_as, correlation)]`` (``same_as`` the
+    larger of the two).
     """
     n_domains = int(domain.max()) + 1
     if n_domains < 2 or n_clusters < 2:
         return []
-    all_means, _ = group_domain_means(X, np.zeros(X.shape[0], dtype=np.int64), 1, domain, n_domains)
-    background = all_means[0]
-    means, counts = group_domain_means(X, clusters, n_clusters, domain, n_domains)
-    main = counts.argmax(axis=1)
-    sig = means[np.arange(n_clusters), main] - background[main]
-    sig = sig - sig.mean(axis=1, keepdims=True)
-    sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
+    if background is None:
+        background = batch_background(X, domain)
+    if cluster_means is None:
+        cluster_means = group_domain_means(X, clusters, n_clusters, domain, n_domains)
+    sig, main, counts = _signatures(*cluster_means, background)
     corr = sig @ sig.T
     size = counts.sum(axis=1)
     corr[:, size == 0] = -np.inf

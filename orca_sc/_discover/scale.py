@@ -53,16 +53,17 @@ def size_check(
         "sample_cells": int(sample.size),
         "candidates": int(k),
         "sample_candidates": int(m),
-        "threshold": found.threshold,
-        "sample_threshold": small.threshold,
+        "threshold_in_sample": _in_sample(found),
+        "sample_threshold": _in_sample(small),
         "agrees": not ((k == 0 and m > 0) or abs(k - m) > max(1, m / 4)),
-        "threshold_degenerate": _degenerate(found.threshold, small.threshold),
+        "threshold_degenerate": _degenerate(_in_sample(found), _in_sample(small)),
     }
     notes = found.notes
     if record["threshold_degenerate"]:
         notes += (
             f"Discovery's out-of-distribution threshold among {n_cells:,} cells is "
-            f"{found.threshold:.3f}, against {small.threshold:.3f} when the warm-up and discovery "
+            f"{record['threshold_in_sample']:.3f}, against {record['sample_threshold']:.3f} when "
+            "the warm-up and discovery "
             f"ran on a random {sample.size:,} of them alone: the warm-up fitted its labelled "
             "cells so loosely at this size that almost no cell falls below it, and cells of a "
             "novel type can go unnoticed. uns['orca']['estimate']['size_check'] has both.",
@@ -80,6 +81,13 @@ def size_check(
             "uns['orca']['estimate']['size_check'] has both counts.",
         )
     return replace(found, diagnostics={**found.diagnostics, "size_check": record}, notes=notes)
+
+
+def _in_sample(found: Discovery) -> float | None:
+    """The in-sample quantile of a discovery's threshold (before any held-out cap: the part
+    that moves with the number of cells), or its threshold where the record lacks it.
+    """
+    return found.diagnostics.get("threshold_in_sample", found.threshold)
 
 
 def _degenerate(threshold: float | None, sample_threshold: float | None) -> bool:
