@@ -242,9 +242,9 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     side = None
     if dc.novelty_folds and run.plan.warmup > 0:
         with stage("cross-fitted warm-ups"):
-            side = fold_warmups(run, dc.novelty_folds)
+            side = fold_warmups(run, dc.novelty_folds, held_out=dc.cross_fit_threshold)
     t_side = time.perf_counter() - t1
-    held_out = side.held_out_similarity if side is not None and dc.cross_fit_threshold else None
+    held_out = None if side is None else side.held_out_similarity
     with stage("discovery"):
         cand = find_candidates(
             run, warm.net, warm.held, warmed_up=run.plan.warmup > 0, held_out=held_out
@@ -429,25 +429,26 @@ NOVELTY_REFERENCE_CELLS = 2_000
 @dataclass(frozen=True)
 class FoldNets:
     """The cross-fitted warm-ups: ``folds`` (each labelled cell's fold, ``-1`` unlabelled), one
-    supervised net per fold trained without it (``None`` for an empty fold), and every labelled
-    cell's best seen-head cosine in the net of its fold (``held_out_similarity``, NaN for
-    unlabelled cells).
+    supervised net per fold trained without it (``None`` for an empty fold), and, where asked
+    for, every labelled cell's best seen-head cosine in the net of its fold
+    (``held_out_similarity``, NaN for unlabelled cells; ``None`` when not asked for).
     """
 
     folds: np.ndarray
     nets: list[OrcaNet | None]
-    held_out_similarity: np.ndarray
+    held_out_similarity: np.ndarray | None
 
 
-def fold_warmups(run: RunContext, n_folds: int) -> FoldNets:
+def fold_warmups(run: RunContext, n_folds: int, held_out: bool = False) -> FoldNets:
     """One supervised warm-up without each of ``n_folds`` folds of the labelled cells (stratified
-    by type; the random streams of the run's seed + 100 + fold), and each held-out cell's best
-    cosine to a seen head of its fold's net.
+    by type; the random streams of the run's seed + 100 + fold) and, with ``held_out``, each
+    held-out cell's best cosine to a seen head of its fold's net (one inference pass over the
+    labelled cells, made only for ``cross_fit_threshold``).
     """
     data, cfg = run.data, run.config
     folds = fold_ids(data.labels, n_folds, cfg.seed)
     nets: list[OrcaNet | None] = []
-    held_out = np.full(data.n_cells, np.nan)
+    similarity = np.full(data.n_cells, np.nan) if held_out else None
     for f in range(n_folds):  # loop over folds, not cells
         held = folds == f
         if not held.any():
@@ -456,9 +457,10 @@ def fold_warmups(run: RunContext, n_folds: int) -> FoldNets:
         with stage("fold warm-ups"):
             net = _side_warmup(run, held, cfg.seed + 100 + f)
         nets.append(net)
-        rows = np.flatnonzero(held)
-        held_out[rows] = seen_similarity(net, run.cells, rows, run.comm)[1].max(axis=1)
-    return FoldNets(folds, nets, held_out)
+        if similarity is not None:
+            rows = np.flatnonzero(held)
+            similarity[rows] = seen_similarity(net, run.cells, rows, run.comm)[1].max(axis=1)
+    return FoldNets(folds, nets, similarity)
 
 
 def cross_fit(

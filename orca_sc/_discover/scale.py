@@ -48,22 +48,22 @@ def size_check(
     sample = subsample_rows(n_cells, seed, sample_cells)
     small = discover_on(sample)
     k, m = found.n_novel, small.n_novel
+    tau, sample_tau = _in_sample(found), _in_sample(small)
     record = {
         "n_cells": int(n_cells),
         "sample_cells": int(sample.size),
         "candidates": int(k),
         "sample_candidates": int(m),
-        "threshold_in_sample": _in_sample(found),
-        "sample_threshold": _in_sample(small),
+        "threshold_in_sample": tau,
+        "sample_threshold": sample_tau,
         "agrees": not ((k == 0 and m > 0) or abs(k - m) > max(1, m / 4)),
-        "threshold_degenerate": _degenerate(_in_sample(found), _in_sample(small)),
+        "threshold_degenerate": _degenerate(tau, sample_tau),
     }
     notes = found.notes
     if record["threshold_degenerate"]:
         notes += (
             f"Discovery's out-of-distribution threshold among {n_cells:,} cells is "
-            f"{record['threshold_in_sample']:.3f}, against {record['sample_threshold']:.3f} when "
-            "the warm-up and discovery "
+            f"{tau:.3f}, against {sample_tau:.3f} when the warm-up and discovery "
             f"ran on a random {sample.size:,} of them alone: the warm-up fitted its labelled "
             "cells so loosely at this size that almost no cell falls below it, and cells of a "
             "novel type can go unnoticed. uns['orca']['estimate']['size_check'] has both.",
