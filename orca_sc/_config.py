@@ -170,6 +170,12 @@ class DiscoveryConfig:
             _invalid("self_check", self.self_check, "True or False")
         if not isinstance(self.cross_fit_threshold, bool):
             _invalid("cross_fit_threshold", self.cross_fit_threshold, "True or False")
+        if self.cross_fit_threshold and folds == 0:
+            _invalid(
+                "cross_fit_threshold", self.cross_fit_threshold,
+                "False when novelty_folds=0 (the cap reads the cross-fitted warm-ups; "
+                "set novelty_folds >= 2)",
+            )  # fmt: skip
         if self.integration not in ("none", "harmony"):
             _invalid("integration", self.integration, '"none" or "harmony"')
         rep = self.use_rep

@@ -13,7 +13,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -83,16 +83,29 @@ class RunContext:
     plan: Schedule
     rand: TrainRandom
     comm: Comm
+    #: the PCA of all cells per number of components (discovery and the pair partners read it)
+    _pca_all: dict[int, np.ndarray] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def n_seen(self) -> int:
         return len(self.data.classes)
 
     def pca(self, n_comps: int, rows: np.ndarray | None = None) -> np.ndarray:
-        """PCA of the aligned expression of ``rows`` (all cells by default)."""
+        """PCA of the aligned expression of ``rows`` (all cells by default); that of all cells
+        is computed once per number of components.
+        """
         t = self.transform
         X, domain, seed = self.data.X, self.data.domain, self.config.seed
-        return pca_embedding(X, domain, t.scale, t.offset, n_comps=n_comps, seed=seed, rows=rows)
+        n = self.data.n_cells
+        every = rows is None or (rows.size == n and bool(np.array_equal(rows, np.arange(n))))
+        if every and n_comps in self._pca_all:
+            return self._pca_all[n_comps]
+        out = pca_embedding(X, domain, t.scale, t.offset, n_comps=n_comps, seed=seed, rows=rows)
+        if every:  # shared by its readers, which do not write to it
+            self._pca_all[n_comps] = out
+        return out
 
     def discovery_space(
         self, rows: np.ndarray, batch: np.ndarray

@@ -477,3 +477,15 @@ def test_compare_and_suite_options_refuse_bad_input(tmp_path, orca_suite_run):
     ]:
         assert_cli_error(CliRunner().invoke(main, ["benchmark", "--quick", *args, *out]), msg)
         assert not (tmp_path / "o").exists()
+
+
+def test_set_values_parse_as_the_options_expect():
+    from orca_sc.benchmark._devsuite import config_overrides
+
+    got = config_overrides(["epochs=5", "cross_fit_threshold=true", "self_check=FALSE",
+                            "merge_threshold=None", "pair_space=pca", "lr=1e-3"])  # fmt: skip
+    assert got == {"epochs": 5, "cross_fit_threshold": True, "self_check": False,
+                   "merge_threshold": None, "pair_space": "pca", "lr": 1e-3}  # fmt: skip
+    assert type(got["cross_fit_threshold"]) is bool
+    with pytest.raises(ValueError, match="key=value"):
+        config_overrides(["epochs"])

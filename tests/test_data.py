@@ -170,6 +170,9 @@ def test_config_validation():
     assert OrcaConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="Unknown configuration keys"):
         OrcaConfig.from_dict({"bogus": 1})
+    # the cross-fitted cap reads the novelty test's warm-ups: without them it would do nothing
+    with pytest.raises(ValueError, match="cross_fit_threshold.*novelty_folds"):
+        orca_sc.DiscoveryConfig(cross_fit_threshold=True, novelty_folds=0)
 
 
 def test_simulator_is_seeded_and_realistic():

@@ -174,6 +174,45 @@ def test_size_check_of_a_run_leaves_its_labels_alone(small_sim, monkeypatch):
     assert summary["notes"] == list(checked.uns["orca"]["estimate"]["notes"])
 
 
+def test_the_pca_of_all_cells_is_computed_once(small_sim, monkeypatch):
+    """Discovery and the pair partners both read the PCA of all cells: one computation, the
+    same array, and the labels of a run that computes it twice.
+    """
+    import orca_sc._pipeline as pipe
+
+    computed, read = [], []
+    real_pca, real_embedding = pipe.RunContext.pca, pipe.pca_embedding
+
+    def embedding(X, *args, rows=None, **kw):
+        computed.append(X.shape[0] if rows is None else rows.size)
+        return real_embedding(X, *args, rows=rows, **kw)
+
+    def pca(self, n_comps, rows=None):
+        out = real_pca(self, n_comps, rows)
+        if rows is None or rows.size == self.data.n_cells:
+            read.append(out)
+        return out
+
+    monkeypatch.setattr(pipe, "pca_embedding", embedding)
+    monkeypatch.setattr(pipe.RunContext, "pca", pca)
+    once = small_sim.copy()
+    orca_sc.tl.annotate(once, labels_key="lab", seed=0, **FAST, **LABELS_ONLY)
+    n = once.n_obs
+    assert len(read) >= 2 and all(r is read[0] for r in read)  # discovery and pairs share it
+    assert computed.count(n) == 1
+
+    def uncached(self, n_comps, rows=None):  # as before: every call computes
+        t = self.transform
+        return real_embedding(self.data.X, self.data.domain, t.scale, t.offset,
+                              n_comps=n_comps, seed=self.config.seed, rows=rows)  # fmt: skip
+
+    monkeypatch.setattr(pipe.RunContext, "pca", uncached)
+    twice = small_sim.copy()
+    orca_sc.tl.annotate(twice, labels_key="lab", seed=0, **FAST, **LABELS_ONLY)
+    np.testing.assert_array_equal(once.obs["orca_label"], twice.obs["orca_label"])
+    np.testing.assert_array_equal(once.obsm["X_orca"], twice.obsm["X_orca"])
+
+
 def test_explicit_keyword_wins_over_config(small_sim):
     """``config=OrcaConfig(n_genes=100), n_genes=2000`` trains on 2000 genes (all 300 here),
     even though 2000 is the default; options not given come from ``config``; discovery

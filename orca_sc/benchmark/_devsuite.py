@@ -32,14 +32,18 @@ logger = logging.getLogger(__name__)
 
 def config_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     """``["epochs=5", "pair_space=pca"]`` -> ``{"epochs": 5, "pair_space": "pca"}``: values are
-    Python literals where they parse as one, strings otherwise. A pair without ``=`` is a
-    :class:`ValueError`.
+    Python literals where they parse as one (``true``, ``false`` and ``none`` in any case too),
+    strings otherwise. A pair without ``=`` is a :class:`ValueError`.
     """
+    words = {"true": True, "false": False, "none": None}
     overrides: dict[str, Any] = {}
     for kv in pairs:
         if "=" not in kv:
             raise ValueError(f"{kv!r} is not key=value (e.g. epochs=5)")
         k, v = kv.split("=", 1)
+        if v.strip().lower() in words:
+            overrides[k.strip()] = words[v.strip().lower()]
+            continue
         try:
             overrides[k.strip()] = ast.literal_eval(v)
         except (ValueError, SyntaxError):
