@@ -9,6 +9,7 @@ are complete, so an error or Ctrl-C leaves no partial output; input files are on
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -667,11 +668,11 @@ def _csv_list(value: str | None, cast=str) -> list | None:
 )
 @click.option(
     "--scaling-library-size",
-    default=150.0,
+    default="150",
     show_default=True,
-    type=float,
-    help="Counts per simulated cell in the scaling runs: 150 gives the sparsity of real data "
-    "after gene selection (about 6% non-zeros), 3000 a dense matrix (43%).",
+    help="Counts per simulated cell in the scaling runs, comma-separated for several: 150 gives "
+    "the sparsity of real data after gene selection (about 6% non-zeros), 3000 a dense matrix "
+    "(43%); e.g. 150,3000 runs every size at both.",
 )
 @click.option(
     "--quick",
@@ -740,6 +741,12 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
             raise CliError(f"unknown --method {unknown}; available: {', '.join(B.METHODS)}.")
         sizes = _csv_list(scaling_sizes, int)
         disk_sizes = _csv_list(scaling_disk_sizes, int)
+        libraries = _csv_list(scaling_library_size, float)
+        if not libraries or not all(math.isfinite(v) and v > 0 for v in libraries):
+            raise CliError(
+                f"--scaling-library-size {scaling_library_size!r}: give positive counts per "
+                "cell, comma-separated (e.g. 150,3000)."
+            )
         if quick:
             seed_list = seed_list[:1]
             sizes, disk_sizes = [1000, 2000], []
@@ -748,7 +755,7 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
                 raise CliError("--scaling-only needs --scaling-sizes or --scaling-disk-sizes.")
             sc = B.run_scaling(
                 sizes, n_genes=500 if quick else 2000, progress=not quiet,
-                library_size=scaling_library_size, disk_sizes=disk_sizes,
+                library_size=libraries, disk_sizes=disk_sizes,
             )  # fmt: skip
             paths = _write_benchmark(None, out, False, scaling=sc)
             click.echo((out / "scaling.md").read_text())
@@ -791,7 +798,7 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
         if scaling and (sizes or disk_sizes):
             result.scaling = B.run_scaling(
                 sizes, n_genes=500 if quick else 2000, progress=not quiet,
-                library_size=scaling_library_size, disk_sizes=disk_sizes,
+                library_size=libraries, disk_sizes=disk_sizes,
             )  # fmt: skip
         paths = _write_benchmark(result, out, suite == "dev")
 

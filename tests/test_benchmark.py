@@ -396,11 +396,34 @@ def test_scaling_only_times_orca_with_defaults_against_celltypist(tmp_path):
     assert (o["steps"] == o["warmup_steps"] + o["open_world_steps"]).all()
     assert (o["seconds"] > o["training_seconds"]).all() and o["all_accuracy"].between(0, 1).all()
     assert len(sc[sc["method"] != "ORCA"]) == 2  # CellTypist (or its model family) beside
+    # seconds per stage beside the total: the outer stages and the rest add up to it
+    from orca_sc.benchmark._scaling import NESTED_STAGES, STAGE_PREFIX
+
+    stages = [c for c in o.columns if c.startswith(STAGE_PREFIX)]
+    outer = [c for c in stages if c[len(STAGE_PREFIX) :] not in NESTED_STAGES]
+    for name in ("warm-up", "discovery", "open-world fit", "margin refresh", "other"):
+        assert (o[STAGE_PREFIX + name] >= 0).all()
+    np.testing.assert_allclose(o[outer].sum(axis=1), o["seconds"], rtol=1e-6)
     md = (out / "scaling.md").read_text()
-    assert "× CellTypist" in md and "| ORCA | 2,000 | memory |" in md
+    assert "× CellTypist" in md and "| ORCA | 2,000 |" in md and "| memory |" in md
+    assert "ORCA's seconds per stage" in md and "| open-world fit |" in md
     again = CliRunner().invoke(main, ["benchmark", "--quick", "--scaling-only", "--outdir",
                                       str(out), "-q"])  # fmt: skip
     assert again.exit_code == 2 and "already holds a report" in again.stderr
+
+
+def test_scaling_at_several_densities_compares_each_with_its_own_peer():
+    sc = B.run_scaling((600,), n_genes=200, library_size=(150, 3000), progress=False)
+    o = sc[sc["method"] == "ORCA"].set_index("library_size")
+    assert list(o.index) == [150.0, 3000.0] and len(sc) == 4
+    assert o.loc[150.0, "non_zeros"] < o.loc[3000.0, "non_zeros"]
+    md = B._report._scaling_table(sc)
+    peers = sc[sc["method"] != "ORCA"].set_index("library_size")["seconds"]
+    for lib, r in o.iterrows():  # each ratio against the peer on the same data
+        assert f"| {r['seconds'] / peers[lib]:.2f} |" in md
+    assert md.count("| ORCA | 600 |") == 2
+    stage_head = md.split("per stage")[1].splitlines()[2]  # one column per density
+    assert stage_head.count("600 memory") == 2
 
 
 def test_scaling_from_disk_writes_the_simulation_once(tmp_path):

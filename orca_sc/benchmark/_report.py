@@ -122,16 +122,24 @@ SCALING_HEADING = "## Scaling (simulated counts, 2,000 genes)"
 
 
 def _scaling_table(sc: pd.DataFrame) -> str:
-    """One row per method and size: wall time, ORCA's time over CellTypist's on the same data,
-    ORCA's training steps per phase (of the schedule's, and why the phase stopped), memory.
+    """One row per method, size and density: wall time, ORCA's time over CellTypist's on the
+    same data, ORCA's training steps per phase (of the schedule's, and why the phase stopped),
+    memory; then ORCA's seconds per stage (:func:`_stage_table`).
     """
     lines = [
-        "| method | cells | data | time (s) | × CellTypist | steps: warm-up / open-world "
-        "(of the schedule's) | s/epoch | FLOP floor s/epoch | all-class acc. | memory (MB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | cells | non-zeros | data | time (s) | × CellTypist | steps: warm-up / "
+        "open-world (of the schedule's) | s/epoch | FLOP floor s/epoch | all-class acc. | "
+        "memory (MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    other = sc[sc["method"] != "ORCA"].set_index("n_cells")["seconds"]
-    for _, r in sc.iterrows():
+    sc = sc.copy()
+    if "library_size" not in sc:  # a table written before densities were swept
+        sc["library_size"] = np.nan
+    key = sc["library_size"].fillna(-1.0)
+    peers = sc[sc["method"] != "ORCA"]
+    pairs = zip(peers["n_cells"], key[peers.index], strict=True)
+    other = dict(zip(pairs, peers["seconds"], strict=True))
+    for i, r in sc.iterrows():
 
         def g(k, fmt, r=r):
             v = r.get(k, np.nan)
@@ -139,8 +147,9 @@ def _scaling_table(sc: pd.DataFrame) -> str:
 
         n = int(r["n_cells"])
         ratio = "–"
-        if r["method"] == "ORCA" and n in other.index and r.get("storage", "memory") == "memory":
-            ratio = f"{r['seconds'] / other.loc[n]:.2f}"
+        peer = other.get((r["n_cells"], key[i]))
+        if r["method"] == "ORCA" and peer is not None and r.get("storage", "memory") == "memory":
+            ratio = f"{r['seconds'] / peer:.2f}"
         steps = "–"
         if r["method"] == "ORCA" and "warmup_steps" in r and r["warmup_steps"] == r["warmup_steps"]:
             steps = " / ".join(
@@ -148,11 +157,43 @@ def _scaling_table(sc: pd.DataFrame) -> str:
                 for c in ("warmup", "open_world")
             )
         lines.append(
-            f"| {r['method']} | {n:,} | {r.get('storage', 'memory')} | {g('seconds', '.1f')} | "
-            f"{ratio} | {steps} | {g('seconds_per_epoch', '.2f')} | "
+            f"| {r['method']} | {n:,} | {g('non_zeros', '.0%')} | {r.get('storage', 'memory')} | "
+            f"{g('seconds', '.1f')} | {ratio} | {steps} | {g('seconds_per_epoch', '.2f')} | "
             f"{g('flop_floor_seconds_per_epoch', '.2f')} | {g('all_accuracy', '.3f')} | "
             f"{g('peak_mb', '.0f')} |"
         )
+    return "\n".join(lines) + "\n" + _stage_table(sc)
+
+
+def _stage_table(sc: pd.DataFrame) -> str:
+    """ORCA's seconds per stage of the pipeline, one column per run of the scaling table
+    (stages that run inside another are indented and not part of the sum again); empty where
+    the runs carry no stage columns.
+    """
+    from ._scaling import NESTED_STAGES, STAGE_ORDER, STAGE_PREFIX
+
+    runs = sc[sc["method"] == "ORCA"]
+    rank = {name: i for i, name in enumerate(STAGE_ORDER)}
+    cols = sorted(
+        (c for c in sc.columns if str(c).startswith(STAGE_PREFIX)),
+        key=lambda c: rank.get(c[len(STAGE_PREFIX) :], len(rank)),
+    )
+    if runs.empty or not cols:
+        return ""
+    heads = [
+        f"{int(r['n_cells']):,} {r.get('storage', 'memory')}"
+        + (f", {r['non_zeros']:.0%}" if r.get("non_zeros") == r.get("non_zeros") else "")
+        for _, r in runs.iterrows()
+    ]
+    lines = ["", "ORCA's seconds per stage (indented: inside the stage above it, not added again; "
+             "the margin's refresh runs in every phase):", "",
+             "| stage | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]  # fmt: skip
+    for c in cols:
+        name = c[len(STAGE_PREFIX) :]
+        label = f"&nbsp;&nbsp;{name}" if name in NESTED_STAGES else name
+        vals = [f"{v:.2f}" if v == v else "–" for v in runs[c]]
+        lines.append(f"| {label} | " + " | ".join(vals) + " |")
+    lines.append("| total | " + " | ".join(f"{v:.2f}" for v in runs["seconds"]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -91,21 +91,44 @@ def epoch_speed(adata, labelled: np.ndarray) -> dict:
     }
 
 
+#: stages that run inside another one (the margin's refresh inside every phase, the fold
+#: warm-ups inside the cross-fitted warm-ups, the fold inference and scores inside the novelty
+#: test, the integration inside discovery): reported, not added to the stages' sum again
+NESTED_STAGES = ("margin refresh", "fold warm-ups", "fold inference", "fold scores", "integration")
+
+#: the stages in the order the pipeline runs them (a nested one after its stage; the margin's
+#: refresh runs in every phase: the warm-up, the fold warm-ups and the open-world fit)
+STAGE_ORDER = ("prepare", "alignment", "warm-up", "margin refresh", "self-check",
+               "cross-fitted warm-ups", "fold warm-ups", "discovery", "integration", "size check",
+               "open-world fit", "inference", "novelty test (cross-fit)", "fold inference",
+               "fold scores", "naming, novelty and calibration", "other")  # fmt: skip
+
+#: prefix of the scaling table's per-stage columns (seconds)
+STAGE_PREFIX = "stage: "
+
+
 def _orca_point(a, lab, seed: int) -> dict:
-    """ORCA with its defaults (every gene of the simulation), timed from the call to the labels."""
+    """ORCA with its defaults (every gene of the simulation), timed from the call to the
+    labels, with the seconds of each stage of the pipeline (``"stage: <name>"`` columns,
+    :class:`~orca_sc.benchmark.StageTimer`; ``"stage: other"`` is the time outside them).
+    """
     import torch
 
     from .. import metrics
     from ..tl import annotate
+    from ._hooks import StageTimer, observe
 
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    with PeakMemory() as mem, warnings.catch_warnings():
+    with PeakMemory() as mem, warnings.catch_warnings(), observe(StageTimer()) as (timer,):
         warnings.simplefilter("ignore")
         t0 = time.perf_counter()
         annotate(a, labels_key="lab", n_genes=None, seed=seed, progress=False)
         total = time.perf_counter() - t0
+    stages = {f"{STAGE_PREFIX}{k}": v for k, v in timer.seconds.items()}
+    outer = sum(v for k, v in timer.seconds.items() if k not in NESTED_STAGES)
+    stages[f"{STAGE_PREFIX}other"] = max(0.0, total - outer)
     speed = epoch_speed(a, lab)
     t = a.uns["orca"]["training"]
     rep = metrics.report(a, "cell_type")
@@ -123,11 +146,12 @@ def _orca_point(a, lab, seed: int) -> dict:
         "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan"),
         "device": t["device"],
         "layout": t["layout"],
+        "density": t["density"],
         "seen_accuracy": rep["seen_accuracy"],
         "novel_accuracy": rep["novel_accuracy"],
         "all_accuracy": rep["all_accuracy"],
     }
-    return out | training_columns(a.uns["orca"])
+    return out | training_columns(a.uns["orca"]) | stages
 
 
 def training_columns(uns: dict) -> dict:
@@ -200,7 +224,7 @@ def run_scaling(
     n_genes: int = 2000,
     seed: int = 0,
     progress: bool = True,
-    library_size: float = 150.0,
+    library_size: float | Sequence[float] = 150.0,
     disk_sizes: Sequence[int] = (),
     workdir: str | Path | None = None,
 ) -> pd.DataFrame:
@@ -211,17 +235,28 @@ def run_scaling(
     mode from 1,000 labelled cells (one of its batches; plain SGD below). ``disk_sizes``: ORCA alone on data read from an
     ``.h5ad`` file (:func:`orca_sc.read_lazy`), written once to ``workdir`` (default: the
     data cache, ``orca_sc.datasets.default_cache_dir() / "scaling"``) and kept for later runs.
-    ``library_size``: counts per cell of the simulation; 150 gives the sparsity of real data
-    after selecting 2,000 genes (5.6-6.6% non-zeros), 3,000 a dense matrix (43%).
+    ``library_size``: counts per cell of the simulation, or several (every size is run at
+    each, the ``library_size`` and ``non_zeros`` columns say which); 150 gives the sparsity of
+    real data after selecting 2,000 genes (5.6-6.6% non-zeros), 3,000 a dense matrix (43%).
+    ORCA's rows carry the seconds of each stage (``"stage: <name>"`` columns).
     """
     from ._run import _warm_up
 
     _warm_up()
+    libs = [float(library_size)] if np.isscalar(library_size) else [float(v) for v in library_size]
+    parts = [_scaling_at(sizes, n_genes, seed, progress, lib, disk_sizes, workdir) for lib in libs]
+    return pd.concat(parts, ignore_index=True)
+
+
+def _scaling_at(sizes, n_genes, seed, progress, library_size, disk_sizes, workdir) -> pd.DataFrame:
+    """:func:`run_scaling` at one library size."""
     rows = []
     for n in sizes:
         a, lab = simulated_open_world(n, n_genes, seed, library_size=library_size)
         orca = _orca_point(a, lab, seed)
-        rows.append({"method": "ORCA", "n_cells": n, "storage": "memory", **orca})
+        nz = a.X.nnz / (a.n_obs * a.n_vars)
+        where = {"library_size": library_size, "non_zeros": nz}
+        rows.append({"method": "ORCA", "n_cells": n, "storage": "memory", **where, **orca})
         try:
             point = _celltypist_point(a, lab, seed)
             name = "CellTypist"
@@ -229,7 +264,7 @@ def run_scaling(
             logger.info("CellTypist unavailable for scaling (%s); using logistic regression.", e)
             point = _lr_point(a, lab, seed)
             name = "Logistic regression (CellTypist's model; CellTypist unavailable)"
-        rows.append({"method": name, "n_cells": n, "storage": "memory", **point})
+        rows.append({"method": name, "n_cells": n, "storage": "memory", **where, **point})
         if progress:
             logger.info(
                 "scaling %d cells: ORCA %.1f s (%d steps), %.0f MB; %s %.1f s",
@@ -241,7 +276,8 @@ def run_scaling(
         a = read_lazy(path)
         lab = a.obs["lab"].notna().to_numpy()
         orca = _orca_point(a, lab, seed)
-        rows.append({"method": "ORCA", "n_cells": n, "storage": "disk", **orca})
+        where = {"library_size": library_size, "non_zeros": orca["density"]}  # as trained on
+        rows.append({"method": "ORCA", "n_cells": n, "storage": "disk", **where, **orca})
         if progress:
             logger.info("scaling %d cells on disk: ORCA %.1f s (%d steps), %.0f MB",
                         n, orca["seconds"], orca["steps"], orca["peak_mb"])  # fmt: skip
