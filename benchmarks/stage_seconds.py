@@ -26,9 +26,6 @@ from pathlib import Path
 import numpy as np
 from _cli import write_report
 
-#: stages that run inside another (indented in the table, not added to the total)
-NESTED = ("margin refresh", "fold warm-ups", "fold inference", "fold scores")
-
 
 def import_seconds() -> float:
     """Seconds to import what an annotation loads, in a fresh interpreter, less its start."""
@@ -75,8 +72,9 @@ def main() -> None:
             t2 = time.perf_counter()
             query.write_h5ad(out_path)
             t3 = time.perf_counter()
-            staged = sum(v for k, v in timer.seconds.items() if k not in NESTED)
-            stages = {(f"  {k}" if k in NESTED else k): v for k, v in timer.seconds.items()}
+            staged = timer.outer_seconds()
+            nested = StageTimer.NESTED  # indented in the table, not added to the total
+            stages = {(f"  {k}" if k in nested else k): v for k, v in timer.seconds.items()}
             row = {"reading the two .h5ad files": t1 - t0, **stages,
                    "obs and uns (outside the stages)": t2 - t1 - staged,
                    "writing the annotated query": t3 - t2, "total": t3 - t0}  # fmt: skip

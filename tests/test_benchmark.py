@@ -397,10 +397,10 @@ def test_scaling_only_times_orca_with_defaults_against_celltypist(tmp_path):
     assert (o["seconds"] > o["training_seconds"]).all() and o["all_accuracy"].between(0, 1).all()
     assert len(sc[sc["method"] != "ORCA"]) == 2  # CellTypist (or its model family) beside
     # seconds per stage beside the total: the outer stages and the rest add up to it
-    from orca_sc.benchmark._scaling import NESTED_STAGES, STAGE_PREFIX
+    from orca_sc.benchmark._scaling import STAGE_PREFIX
 
     stages = [c for c in o.columns if c.startswith(STAGE_PREFIX)]
-    outer = [c for c in stages if c[len(STAGE_PREFIX) :] not in NESTED_STAGES]
+    outer = [c for c in stages if c[len(STAGE_PREFIX) :] not in B.StageTimer.NESTED]
     for name in ("warm-up", "discovery", "open-world fit", "margin refresh", "other"):
         assert (o[STAGE_PREFIX + name] >= 0).all()
     np.testing.assert_allclose(o[outer].sum(axis=1), o["seconds"], rtol=1e-6)

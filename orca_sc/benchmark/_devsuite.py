@@ -41,8 +41,9 @@ def config_overrides(pairs: Sequence[str]) -> dict[str, Any]:
         if "=" not in kv:
             raise ValueError(f"{kv!r} is not key=value (e.g. epochs=5)")
         k, v = kv.split("=", 1)
-        if v.strip().lower() in words:
-            overrides[k.strip()] = words[v.strip().lower()]
+        word = v.strip().lower()
+        if word in words:
+            overrides[k.strip()] = words[word]
             continue
         try:
             overrides[k.strip()] = ast.literal_eval(v)

@@ -24,9 +24,14 @@ class StageTimer(Callback):
     """Seconds of each stage of the pipeline (``seconds``, summed over the calls of a stage:
     the five fold warm-ups count as one entry) and of each phase of training (``phases``:
     ``"warm-up"``, ``"open-world"``; every warm-up of a run, the side ones included), and how
-    often each ran (``calls``). Stages nest: ``"fold warm-ups"`` is part of
-    ``"novelty test (cross-fit)"``, ``"margin refresh"`` part of the phase it runs in.
+    often each ran (``calls``). Stages nest (:attr:`NESTED`): ``"fold warm-ups"`` is part of
+    ``"cross-fitted warm-ups"``, ``"fold inference"`` and ``"fold scores"`` of
+    ``"novelty test (cross-fit)"``, ``"integration"`` of ``"discovery"``, ``"margin refresh"``
+    of the phase it runs in.
     """
+
+    #: stages that run inside another one: their seconds are already in that stage's
+    NESTED = ("margin refresh", "fold warm-ups", "fold inference", "fold scores", "integration")
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
@@ -39,6 +44,10 @@ class StageTimer(Callback):
 
     def on_epoch_end(self, phase: str, net: Any, record: dict) -> None:
         self.phases[phase] += float(record.get("seconds", 0.0))
+
+    def outer_seconds(self) -> float:
+        """Seconds of the stages that run inside no other (each second counted once)."""
+        return sum(v for k, v in self.seconds.items() if k not in self.NESTED)
 
 
 class StopTrace(Callback):

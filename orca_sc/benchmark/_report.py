@@ -170,7 +170,8 @@ def _stage_table(sc: pd.DataFrame) -> str:
     (stages that run inside another are indented and not part of the sum again); empty where
     the runs carry no stage columns.
     """
-    from ._scaling import NESTED_STAGES, STAGE_ORDER, STAGE_PREFIX
+    from ._hooks import StageTimer
+    from ._scaling import STAGE_ORDER, STAGE_PREFIX
 
     runs = sc[sc["method"] == "ORCA"]
     rank = {name: i for i, name in enumerate(STAGE_ORDER)}
@@ -190,7 +191,7 @@ def _stage_table(sc: pd.DataFrame) -> str:
              "| stage | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]  # fmt: skip
     for c in cols:
         name = c[len(STAGE_PREFIX) :]
-        label = f"&nbsp;&nbsp;{name}" if name in NESTED_STAGES else name
+        label = f"&nbsp;&nbsp;{name}" if name in StageTimer.NESTED else name
         vals = [f"{v:.2f}" if v == v else "–" for v in runs[c]]
         lines.append(f"| {label} | " + " | ".join(vals) + " |")
     lines.append("| total | " + " | ".join(f"{v:.2f}" for v in runs["seconds"]) + " |")

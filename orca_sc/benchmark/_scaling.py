@@ -91,11 +91,6 @@ def epoch_speed(adata, labelled: np.ndarray) -> dict:
     }
 
 
-#: stages that run inside another one (the margin's refresh inside every phase, the fold
-#: warm-ups inside the cross-fitted warm-ups, the fold inference and scores inside the novelty
-#: test, the integration inside discovery): reported, not added to the stages' sum again
-NESTED_STAGES = ("margin refresh", "fold warm-ups", "fold inference", "fold scores", "integration")
-
 #: the stages in the order the pipeline runs them (a nested one after its stage; the margin's
 #: refresh runs in every phase: the warm-up, the fold warm-ups and the open-world fit)
 STAGE_ORDER = ("prepare", "alignment", "warm-up", "margin refresh", "self-check",
@@ -127,8 +122,7 @@ def _orca_point(a, lab, seed: int) -> dict:
         annotate(a, labels_key="lab", n_genes=None, seed=seed, progress=False)
         total = time.perf_counter() - t0
     stages = {f"{STAGE_PREFIX}{k}": v for k, v in timer.seconds.items()}
-    outer = sum(v for k, v in timer.seconds.items() if k not in NESTED_STAGES)
-    stages[f"{STAGE_PREFIX}other"] = max(0.0, total - outer)
+    stages[f"{STAGE_PREFIX}other"] = max(0.0, total - timer.outer_seconds())
     speed = epoch_speed(a, lab)
     t = a.uns["orca"]["training"]
     rep = metrics.report(a, "cell_type")
@@ -146,7 +140,7 @@ def _orca_point(a, lab, seed: int) -> dict:
         "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan"),
         "device": t["device"],
         "layout": t["layout"],
-        "density": t["density"],
+        "non_zeros": t["density"],  # of the matrix as trained on
         "seen_accuracy": rep["seen_accuracy"],
         "novel_accuracy": rep["novel_accuracy"],
         "all_accuracy": rep["all_accuracy"],
@@ -254,8 +248,7 @@ def _scaling_at(sizes, n_genes, seed, progress, library_size, disk_sizes, workdi
     for n in sizes:
         a, lab = simulated_open_world(n, n_genes, seed, library_size=library_size)
         orca = _orca_point(a, lab, seed)
-        nz = a.X.nnz / (a.n_obs * a.n_vars)
-        where = {"library_size": library_size, "non_zeros": nz}
+        where = {"library_size": library_size, "non_zeros": orca["non_zeros"]}
         rows.append({"method": "ORCA", "n_cells": n, "storage": "memory", **where, **orca})
         try:
             point = _celltypist_point(a, lab, seed)
@@ -276,8 +269,8 @@ def _scaling_at(sizes, n_genes, seed, progress, library_size, disk_sizes, workdi
         a = read_lazy(path)
         lab = a.obs["lab"].notna().to_numpy()
         orca = _orca_point(a, lab, seed)
-        where = {"library_size": library_size, "non_zeros": orca["density"]}  # as trained on
-        rows.append({"method": "ORCA", "n_cells": n, "storage": "disk", **where, **orca})
+        rows.append({"method": "ORCA", "n_cells": n, "storage": "disk",
+                     "library_size": library_size, **orca})  # fmt: skip
         if progress:
             logger.info("scaling %d cells on disk: ORCA %.1f s (%d steps), %.0f MB",
                         n, orca["seconds"], orca["steps"], orca["peak_mb"])  # fmt: skip
