@@ -86,7 +86,7 @@ class DiscoveryConfig:
     novelty_folds
         Folds of labelled cells cross-fitting the novelty p-values (one warm-up each; 0: no p-values).
     cross_fit_threshold
-        Cap the out-of-distribution threshold at the ``ood_max_rate`` quantile of the labelled cells' cross-fitted cosines (the novelty folds' warm-ups; no label is lost).
+        The out-of-distribution threshold from the labelled cells' cross-fitted cosines (the novelty folds' warm-ups; no label is lost): ``"per_type"``, the ``novelty_alpha`` quantile of the type whose head scores the cell best, shifted in query batches; ``"cap"``, the in-sample threshold capped at their ``ood_max_rate`` quantile; ``"none"``, the in-sample threshold.
     integration
         ``"harmony"``: discovery reads the batches integrated by Harmony on the joint PCA (``"none"``: a PCA of each cell set).
     use_rep
@@ -121,7 +121,7 @@ class DiscoveryConfig:
     no_warmup_rel_threshold: float = 0.1
     novelty_alpha: float = 0.05
     novelty_folds: int = 5
-    cross_fit_threshold: bool = False
+    cross_fit_threshold: str = "per_type"
     integration: str = "none"
     use_rep: str | None = None
 
@@ -168,13 +168,17 @@ class DiscoveryConfig:
             _invalid("novelty_folds", folds, "0 (no p-values) or an integer >= 2")
         if not isinstance(self.self_check, bool):
             _invalid("self_check", self.self_check, "True or False")
-        if not isinstance(self.cross_fit_threshold, bool):
-            _invalid("cross_fit_threshold", self.cross_fit_threshold, "True or False")
-        if self.cross_fit_threshold and folds == 0:
+        if isinstance(self.cross_fit_threshold, bool):  # saved by 0.2.0: True was the cap
+            object.__setattr__(
+                self, "cross_fit_threshold", "cap" if self.cross_fit_threshold else "none"
+            )
+        if self.cross_fit_threshold not in ("per_type", "cap", "none"):
+            _invalid("cross_fit_threshold", self.cross_fit_threshold, '"per_type", "cap" or "none"')
+        if self.cross_fit_threshold == "cap" and folds == 0:
             _invalid(
                 "cross_fit_threshold", self.cross_fit_threshold,
-                "False when novelty_folds=0 (the cap reads the cross-fitted warm-ups; "
-                "set novelty_folds >= 2)",
+                '"none" or "per_type" when novelty_folds=0 (the cap reads the cross-fitted '
+                "warm-ups; set novelty_folds >= 2)",
             )  # fmt: skip
         if self.integration not in ("none", "harmony"):
             _invalid("integration", self.integration, '"none" or "harmony"')

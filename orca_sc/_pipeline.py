@@ -255,7 +255,7 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     side = None
     if dc.novelty_folds and run.plan.warmup > 0:
         with stage("cross-fitted warm-ups"):
-            side = fold_warmups(run, dc.novelty_folds, held_out=dc.cross_fit_threshold)
+            side = fold_warmups(run, dc.novelty_folds, held_out=dc.cross_fit_threshold != "none")
     t_side = time.perf_counter() - t1
     held_out = None if side is None else side.held_out_similarity
     with stage("discovery"):
@@ -456,7 +456,7 @@ def fold_warmups(run: RunContext, n_folds: int, held_out: bool = False) -> FoldN
     """One supervised warm-up without each of ``n_folds`` folds of the labelled cells (stratified
     by type; the random streams of the run's seed + 100 + fold) and, with ``held_out``, each
     held-out cell's best cosine to a seen head of its fold's net (one inference pass over the
-    labelled cells, made only for ``cross_fit_threshold``).
+    labelled cells, made for ``cross_fit_threshold``).
     """
     data, cfg = run.data, run.config
     folds = fold_ids(data.labels, n_folds, cfg.seed)

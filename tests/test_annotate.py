@@ -165,6 +165,22 @@ def test_adaptive_margin_follows_uncertainty(small_run):
     assert h["uncertainty"][-1] < h["uncertainty"][0]
 
 
+def test_per_type_thresholds_are_recorded_and_read_the_labelled_cells(small_run):
+    """The default run records each known type's cross-fitted 5% quantile (every type has
+    about 50 labelled cells here, each one cross-fitted once), no query shift in a run of one
+    batch, and the in-sample threshold as ``threshold``.
+    """
+    a = small_run.adata()
+    est = a.uns["orca"]["estimate"]
+    seen = list(a.uns["orca"]["seen_classes"])
+    per_type = est["type_thresholds"]
+    assert len(per_type) == len(seen) and all(isinstance(v, float) for v in per_type)
+    assert all(-1.0 <= v <= 1.0 for v in per_type)
+    assert est["n_cross_fitted"] == int(a.obs["lab"].notna().sum())
+    assert not est["query_shift"]  # one batch: nothing to shift
+    assert est["threshold"] == est["threshold_in_sample"]
+
+
 def test_config_object_and_keyword_overrides(small_sim):
     cfg = orca_sc.OrcaConfig(**{**FAST, "seed": 3, "margin": "zero"})
     a = orca_sc.tl.annotate(small_sim, labels_key="lab", config=cfg, copy=True, epochs=4)

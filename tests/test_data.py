@@ -173,6 +173,15 @@ def test_config_validation():
     # the cross-fitted cap reads the novelty test's warm-ups: without them it would do nothing
     with pytest.raises(ValueError, match="cross_fit_threshold.*novelty_folds"):
         orca_sc.DiscoveryConfig(cross_fit_threshold=True, novelty_folds=0)
+    with pytest.raises(ValueError, match="cross_fit_threshold"):
+        orca_sc.DiscoveryConfig(cross_fit_threshold="per type")
+    # the per-type threshold needs the folds too, but without them it falls back to the
+    # in-sample rule (novelty_folds=0 is how a user skips the warm-ups); the booleans of
+    # models saved by 0.2.0 still load, True as the cap and False as the in-sample rule
+    assert orca_sc.DiscoveryConfig(novelty_folds=0).cross_fit_threshold == "per_type"
+    assert orca_sc.DiscoveryConfig(cross_fit_threshold=True).cross_fit_threshold == "cap"
+    old = {**OrcaConfig().to_dict(), "discovery": {"cross_fit_threshold": False}}
+    assert OrcaConfig.from_dict(old).discovery.cross_fit_threshold == "none"
 
 
 def test_simulator_is_seeded_and_realistic():

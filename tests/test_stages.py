@@ -322,6 +322,70 @@ def test_few_labels_are_flagged_and_calibration_keeps_known_types_known(monkeypa
     assert cf["known_called_novel"] <= off["known_called_novel"]  # a lower threshold
 
 
+def test_per_type_thresholds_hold_each_types_rate_and_follow_a_query_shift():
+    """Each known type's threshold is the ``alpha`` quantile of its own cross-fitted cosines: a
+    tight type and a loose one both call about ``alpha`` of their unseen cells novel, where one
+    pooled threshold would call many of the tight type's novel sibling cells known. In a query
+    batch shifted down, the threshold follows the shift of the type's upper cosines (so its
+    known cells stay known) and a novel subtype below them is still called; too few cells of a
+    type keep the in-sample threshold.
+    """
+    from orca_sc._discover import type_thresholds
+
+    rng = np.random.default_rng(0)
+    n = 400
+    tight = rng.normal(0.8, 0.02, n)  # type 0: cells close to their head
+    loose = rng.normal(0.5, 0.1, n)  # type 1: a broad type
+    labels = np.r_[np.zeros(n, int), np.ones(n, int)]
+    held = np.r_[tight, loose]
+    # unlabelled cells of the reference's batch: known cells of both types and a sibling of
+    # type 0 that its head claims, scoring between the two types
+    known0, known1 = rng.normal(0.8, 0.02, n), rng.normal(0.5, 0.1, n)
+    sibling = rng.normal(0.7, 0.02, n)
+    # a query batch: type 0 shifted down by 0.1, with a subtype of it at 0.6; 10 cells of type 1
+    q_known0, q_sub, q_known1 = (
+        rng.normal(0.7, 0.02, n),
+        rng.normal(0.6, 0.02, 100),
+        rng.normal(0.5, 0.1, 10),
+    )
+    maxcos = np.r_[held, known0, known1, sibling, q_known0, q_sub, q_known1]
+    pred = np.r_[
+        labels,
+        np.zeros(n, int),
+        np.ones(n, int),
+        np.zeros(n, int),
+        np.zeros(n + 100, int),
+        np.ones(10, int),
+    ]
+    all_labels = np.r_[labels, np.full(maxcos.size - 2 * n, -1)]
+    held_out = np.r_[held, np.full(maxcos.size - 2 * n, np.nan)]
+    domain = np.r_[np.zeros(5 * n, int), np.ones(n + 110, int)]
+    query = domain == 1
+    tau = 0.3  # the in-sample threshold
+    thr, info = type_thresholds(maxcos, pred, all_labels, held_out, query, domain, tau, 0.05)
+    assert info["type_thresholds"] == pytest.approx(
+        [np.quantile(tight, 0.05), np.quantile(loose, 0.05)]
+    )
+    novel = maxcos < thr
+    seg = np.cumsum([2 * n, n, n, n, n, 100, 10])
+    k0, k1, sib = novel[seg[0] : seg[1]], novel[seg[1] : seg[2]], novel[seg[2] : seg[3]]
+    assert k0.mean() < 0.1 and k1.mean() < 0.1  # about alpha of each type's known cells
+    assert sib.mean() > 0.99  # below the tight type's own quantile
+    assert (
+        maxcos[seg[2] : seg[3]] < np.quantile(held, 0.05)
+    ).mean() < 0.01  # a pooled one misses it
+    # the query batch: type 0's shift (about -0.1) moves its threshold down, not type 1's
+    shift = info["query_shift"][1]
+    assert shift[0] == pytest.approx(-0.1, abs=0.02) and shift[1] is None
+    assert novel[seg[3] : seg[4]].mean() < 0.1 and novel[seg[4] : seg[5]].mean() > 0.95
+    assert (thr[seg[5] :] == tau).all()  # 10 cells of type 1: the in-sample threshold
+    # a type with fewer than 1 / alpha held-out cells keeps it everywhere
+    few = np.where(all_labels == 1, np.nan, held_out)
+    few[np.flatnonzero(all_labels == 1)[:19]] = 0.5
+    thr2, info2 = type_thresholds(maxcos, pred, all_labels, few, query, domain, tau, 0.05)
+    assert info2["type_thresholds"][1] is None and (thr2[pred == 1] == tau).all()
+
+
 def test_threshold_capped_by_cross_fitted_cosines():
     """The in-sample quantile is capped at the ``ood_max_rate`` quantile of the cross-fitted
     cosines (cells no net trained on), given at least ``1 / ood_max_rate`` of them.

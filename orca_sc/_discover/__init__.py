@@ -61,6 +61,7 @@ from .ood import (
     ood_clusters,
     ood_threshold,
     query_ood_clusters,
+    type_thresholds,
 )
 from .scale import size_check
 from .self_check import SelfCheckSplit, self_check_report, self_check_split, youden_threshold
@@ -119,13 +120,24 @@ def discover(
     held_out = cells.held_out_similarity
     if held_out is not None:
         held_out = np.where(lab, held_out, np.nan)
-    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg, held_out)
+    per_type = cfg.cross_fit_threshold == "per_type" and held_out is not None
+    tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg, None if per_type else held_out)
+    cell_tau = None
+    if per_type:
+        cell_tau, record = type_thresholds(
+            maxcos, seen_similarity.argmax(axis=1), labels, held_out, query, domain, tau,
+            cfg.novelty_alpha,
+        )  # fmt: skip
+        shifts = {domain_names[d]: v for d, v in record["query_shift"].items()}
+        tau_info = {**tau_info, "n_cross_fitted": int(np.isfinite(held_out).sum()),
+                    "type_thresholds": record["type_thresholds"], "query_shift": shifts}  # fmt: skip
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
         resolution=resolution, seed=seed, exclude=ev.supported | query,
-        include=ev.desert, n_neighbors=cfg.n_neighbors,
+        include=ev.desert, n_neighbors=cfg.n_neighbors, cell_threshold=cell_tau,
     )  # fmt: skip
-    groups = _query_candidates(maxcos < tau, query, domain, pca_cells, cfg, seed)
+    ood = maxcos < (tau if cell_tau is None else cell_tau)
+    groups = _query_candidates(ood, query, domain, pca_cells, cfg, seed)
     assign, sizes = _rank_by_size(assign, sizes, groups)
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
@@ -170,5 +182,6 @@ __all__ = [
     "self_check_split",
     "size_check",
     "subsample_rows",
+    "type_thresholds",
     "youden_threshold",
 ]

@@ -79,6 +79,67 @@ def ood_threshold(
     return tau, info
 
 
+#: the upper quantile of a known type's best cosines matched between a query batch and its
+#: held-out labelled cells to estimate the batch's shift of that type (novel cells claimed by the
+#: type's head score low and sit below it; known cells make up the upper tail)
+SHIFT_QUANTILE = 0.9
+
+
+def type_thresholds(
+    maxcos: np.ndarray,
+    predicted: np.ndarray,
+    labels: np.ndarray,
+    held_out: np.ndarray,
+    query: np.ndarray,
+    domain: np.ndarray,
+    threshold: float,
+    alpha: float,
+) -> tuple[np.ndarray, dict]:
+    """Every cell's out-of-distribution threshold, raised where its known type's own unseen
+    cells say so and lowered where a query batch shifts the type (Mondrian conformal).
+
+    A cell is scored against the known type whose head it scores best (``predicted``). The
+    ``alpha`` quantile of that type's ``held_out`` cosines (each labelled cell's best cosine in
+    a warm-up that did not train on it) is the score below which a known-type cell
+    exchangeable with the type's labelled cells falls at most ``alpha`` of the time: a tight
+    type's is high (a novel sibling its head claims scores below it), a broad type's low. The
+    in-sample ``threshold`` stays where it is higher (the warm-up fits its labelled cells
+    closely; the discovery rules after it, label support and the query votes, were built on
+    it). In a batch without labelled cells (``query``) a type's cells are not exchangeable with
+    its labelled cells: the threshold is lowered by the batch's shift of the type, the difference
+    of the :data:`SHIFT_QUANTILE` quantiles of the batch's cosines and the held-out ones (never
+    raised by it), so that known cells of a shifted type are not called novel. Where the data
+    cannot support a quantile (fewer than ``1 / alpha`` held-out cells of the type, or of the
+    type's cells in a query batch), that part is skipped. Returns the thresholds and their
+    record: the quantile per type (``None``: too few cells) and the shift per query batch and
+    type.
+    """
+    min_cells = math.ceil(1 / alpha - 1e-9)
+    thr = np.full(maxcos.shape[0], threshold)
+    n_types = int(labels.max()) + 1 if (labels >= 0).any() else 0
+    per_type: list[float | None] = [None] * n_types
+    shift: dict[int, list[float | None]] = {
+        int(d): [None] * n_types for d in np.unique(domain[query])
+    }
+    for t in range(n_types):  # loop over known types, not cells
+        ht = held_out[(labels == t) & np.isfinite(held_out)]
+        if ht.size < min_cells:
+            continue
+        q = float(np.quantile(ht, alpha))
+        per_type[t] = q
+        claimed = predicted == t
+        thr[claimed & ~query] = q = max(q, threshold)
+        for d in shift:  # loop over query batches
+            cells = claimed & query & (domain == d)
+            if cells.sum() < min_cells:
+                continue
+            upper = np.quantile(maxcos[cells], SHIFT_QUANTILE) - np.quantile(ht, SHIFT_QUANTILE)
+            delta = min(0.0, float(upper))
+            shift[d][t] = delta
+            thr[cells] = q + delta
+    return thr, {"type_thresholds": per_type, "query_shift": shift}
+
+
 def ood_clusters(
     maxcos: np.ndarray,
     labeled: np.ndarray,
@@ -91,6 +152,7 @@ def ood_clusters(
     include: np.ndarray | None = None,
     threshold: float | None = None,
     n_neighbors: int = _DEFAULTS.n_neighbors,
+    cell_threshold: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[int], float]:
     """Candidate novel clusters from the cells the seen heads do not explain.
 
@@ -100,11 +162,12 @@ def ood_clusters(
     treated as OOD however well they are scored. The OOD cells are clustered (Leiden on the PCA
     of their own expression, ``pca_of(idx)``) and the clusters are the candidates (the anchors,
     :func:`cluster_cores`, later drop incoherent ones); cells in ``exclude`` (e.g.
-    :func:`labelled_support`) never are. Returns ``(assign, sizes, threshold)`` with
+    :func:`labelled_support`) never are. ``cell_threshold``: each cell's own threshold
+    (:func:`type_thresholds`) in place of the one. Returns ``(assign, sizes, threshold)`` with
     ``assign[i]`` the candidate index of cell ``i`` (``-1`` outside candidates), largest first.
     """
     tau = float(np.quantile(maxcos[labeled], quantile)) if threshold is None else threshold
-    ood = ~labeled & (maxcos < tau)
+    ood = ~labeled & (maxcos < (tau if cell_threshold is None else cell_threshold))
     if include is not None:
         ood |= include & ~labeled
     if exclude is not None:
