@@ -168,6 +168,8 @@ class DiscoveryConfig:
             _invalid("novelty_folds", folds, "0 (no p-values) or an integer >= 2")
         if not isinstance(self.self_check, bool):
             _invalid("self_check", self.self_check, "True or False")
+        if self.cross_fit_threshold is None:  # no cross-fitted threshold: the in-sample one
+            object.__setattr__(self, "cross_fit_threshold", "none")
         if isinstance(self.cross_fit_threshold, bool):  # saved by 0.2.0: True was the cap
             object.__setattr__(
                 self, "cross_fit_threshold", "cap" if self.cross_fit_threshold else "none"
@@ -180,6 +182,8 @@ class DiscoveryConfig:
                 '"none" or "per_type" when novelty_folds=0 (the cap reads the cross-fitted '
                 "warm-ups; set novelty_folds >= 2)",
             )  # fmt: skip
+        if self.integration is None:  # as `--set integration=none` reads it
+            object.__setattr__(self, "integration", "none")
         if self.integration not in ("none", "harmony"):
             _invalid("integration", self.integration, '"none" or "harmony"')
         rep = self.use_rep

@@ -43,7 +43,7 @@ from ._pipeline import Fit
 from ._pipeline import fit as fit_run
 from ._read import open_matrix, warn_empty
 from ._store import spill_csr
-from ._train import CellMatrix, infer, resolve_device
+from ._train import CellMatrix, infer, reproducible, resolve_device
 from ._vote import Vote, majority_vote
 from .module import OrcaNet
 
@@ -73,9 +73,10 @@ def train(
     """Train ORCA on ``adata`` (+ ``reference``) and annotate ``adata``'s cells: the one
     assembly behind :func:`orca_sc.tl.annotate`, :meth:`OrcaModel.fit` and ``orca-sc annotate``.
     """
-    fit = fit_run(adata, reference, labels_key, cfg)
-    with stage("naming, novelty and calibration"):
-        return _assemble(fit, reference, labels_key, cfg)
+    with reproducible(resolve_device(cfg.device)):
+        fit = fit_run(adata, reference, labels_key, cfg)
+        with stage("naming, novelty and calibration"):
+            return _assemble(fit, reference, labels_key, cfg)
 
 
 def _assemble(
@@ -346,7 +347,8 @@ class OrcaModel:
         """
         cells = CellMatrix(X, domain, scale, offset, resolve_device(device or self.config.device))
         self.net.to(cells.device)
-        probs, emb = infer(self.net, cells)
+        with reproducible(cells.device):
+            probs, emb = infer(self.net, cells)
         return Prediction(probs, emb, self.assign_heads(probs))
 
     def assign_heads(self, probs: np.ndarray) -> np.ndarray:

@@ -343,7 +343,7 @@ def find_candidates(
     cells = DiscoveryInput(
         emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
         domain_names=[*data.domain_names, "self-check"],
-        held_out_similarity=None if held_out is None else held_out[rows],
+        held_out_similarity=None if held_out is None else held_out[rows], class_names=data.classes,
     )  # fmt: skip
     found = run.comm.on_main(_discover_in, cells, dc, cfg, space)
     return Candidates(found, rows, similarity.max(axis=1))

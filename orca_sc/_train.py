@@ -9,8 +9,11 @@ objective on all cells. A :class:`TrainRandom` carries the random streams across
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import math
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,6 +63,50 @@ def resolve_device(device: str) -> torch.device:
         if mps is None or not mps.is_available():
             raise ConfigError("device", device, "'cpu' or 'auto': MPS is not available here")
     return torch.device(device)
+
+
+#: cuBLAS workspace that makes its products bitwise reproducible (NVIDIA's documented setting);
+#: read when cuBLAS starts in the process, so set before the first product on the GPU
+_CUBLAS_WORKSPACE = ":4096:8"
+
+
+@contextlib.contextmanager
+def reproducible(device: torch.device | str):
+    """Same seed, same device, same result on a GPU too: on CUDA, torch's deterministic
+    algorithms for the duration (scatter-adds, index-adds and the sparse first layer's gradient
+    otherwise sum in whatever order the GPU's threads finish, so two runs of 20,000 cells gave
+    different embeddings), with a warning, not an error, for an operation that has none; the
+    caller's setting is restored on leaving. Nothing changes on the CPU, whose kernels are
+    deterministic already.
+    """
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_WORKSPACE)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def reproducibly(fn):
+    """:func:`reproducible` around ``fn``, on the device its ``device`` argument names."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        device = bound.arguments.get("device") or "auto"
+        with reproducible(device if isinstance(device, torch.device) else resolve_device(device)):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 #: the first layer reads the mini-batch as a sparse matrix when the training matrix holds at

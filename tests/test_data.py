@@ -7,7 +7,7 @@ from conftest import rare_in_reference
 
 import orca_sc
 from orca_sc import OrcaConfig, OrcaInputError
-from orca_sc._align import centroid_shift, class_centroids
+from orca_sc._align import _SUM_CHUNK, centroid_shift, class_centroids, group_domain_means
 from orca_sc._data import prepare
 from orca_sc._read import detect_scale, log_normalize
 
@@ -156,6 +156,38 @@ def test_class_centroids():
     np.testing.assert_allclose(c, [[2.0, 1.0], [0.0, 4.0]])
 
 
+def test_group_domain_means_match_dense_means_and_the_indicator_product_exactly():
+    """Per-(group, batch) means over several chunks of cells, cells outside every group left
+    out: the dense means, and bit for bit the float64 sums of a sparse indicator product taken
+    chunk by chunk (what every alignment, naming and calibration number was computed from).
+    """
+    rng = np.random.default_rng(3)
+    n, g, n_groups, n_dom = 2 * _SUM_CHUNK + 517, 40, 4, 3
+    X = sp.random(n, g, density=0.3, format="csr", random_state=4, dtype=np.float32)
+    X.data = np.log1p(X.data * 50).astype(np.float32)
+    groups = rng.integers(-1, n_groups, n)
+    groups[groups == 2] = -1  # an empty group
+    domain = rng.integers(0, n_dom, n)
+    means, counts = group_domain_means(X, groups, n_groups, domain, n_dom)
+    dense = X.toarray().astype(np.float64)
+    for k in range(n_groups):
+        for d in range(n_dom):
+            rows = (groups == k) & (domain == d)
+            assert counts[k, d] == rows.sum()
+            expected = dense[rows].mean(axis=0) if rows.any() else np.zeros(g)
+            np.testing.assert_allclose(means[k, d], expected, rtol=1e-10, atol=1e-12)
+    keep = np.flatnonzero(groups >= 0)
+    ind = sp.csr_matrix(
+        (np.ones(keep.size), (groups[keep] * n_dom + domain[keep], keep)),
+        shape=(n_groups * n_dom, n),
+    ).tocsc()
+    sums = np.zeros((n_groups * n_dom, g))
+    for start in range(0, n, _SUM_CHUNK):
+        sums += (ind[:, start : start + _SUM_CHUNK] @ X[start : start + _SUM_CHUNK]).toarray()
+    old = sums / np.maximum(counts.reshape(-1), 1)[:, None]
+    assert np.array_equal(means.reshape(n_groups * n_dom, g), old)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="n_novel"):
         OrcaConfig(n_novel=-1)
@@ -180,6 +212,9 @@ def test_config_validation():
     # models saved by 0.2.0 still load, True as the cap and False as the in-sample rule
     assert orca_sc.DiscoveryConfig(novelty_folds=0).cross_fit_threshold == "per_type"
     assert orca_sc.DiscoveryConfig(cross_fit_threshold=True).cross_fit_threshold == "cap"
+    # `--set cross_fit_threshold=none` and `--set integration=none` read the word as None
+    none = orca_sc.DiscoveryConfig(cross_fit_threshold=None, integration=None)
+    assert (none.cross_fit_threshold, none.integration) == ("none", "none")
     old = {**OrcaConfig().to_dict(), "discovery": {"cross_fit_threshold": False}}
     assert OrcaConfig.from_dict(old).discovery.cross_fit_threshold == "none"
 

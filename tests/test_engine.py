@@ -3,6 +3,8 @@ stops it, that its hooks see every stage and check of a real run without changin
 the shard context that replaced ``shard=`` in the forward passes.
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -188,3 +190,34 @@ def test_a_trace_that_runs_the_schedule_trains_every_epoch():
     assert len(hist["epoch"]) == plan.n_epochs
     assert set(hist["stopped"]) <= {"", "schedule"}
     assert any(r["would_stop"] for r in trace.rows)  # the rule said stop, and was overruled
+
+
+def test_reproducible_turns_on_deterministic_kernels_on_a_gpu_only_and_restores_the_callers(
+    monkeypatch,
+):
+    """On CUDA the run uses torch's deterministic algorithms (two 20,000-cell runs on a GPU gave
+    different embeddings without them) with cuBLAS's reproducible workspace; the caller's setting
+    comes back afterwards, also after an error; on the CPU nothing is touched.
+    """
+    from orca_sc._train import reproducible
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with reproducible("cpu"):
+        assert not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with reproducible(torch.device("cuda")):
+                assert torch.are_deterministic_algorithms_enabled()
+                assert torch.is_deterministic_algorithms_warn_only_enabled()
+                assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+                raise RuntimeError("inside")
+        assert not torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)  # a caller's own strict setting survives
+        with reproducible("cuda:0"):
+            assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)

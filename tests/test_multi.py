@@ -55,6 +55,9 @@ def test_one_model_one_name_per_novel_type(three):
     same = o1.uns["orca"]["same_novel_type"]
     assert same["name"] in ([], [shared])
     assert not same["name"] or same["correlation"][0] >= 0.7
+    # type_0 is absent from query 2: a shift of it that stands out there is said, not hidden
+    shift_said = [n for n in o1.uns["orca"]["estimate"]["notes"] if "absent" in n]
+    assert all("'query_2'" in n and "'type_0'" in n for n in shift_said)
     only1 = _name_of(o1, "type_4")
     assert len({shared, only1}) == 2 and only1.startswith("novel_")
     assert (o2.obs["orca_label"].astype(str) == only1).mean() < 0.02  # type_4 is not in query 2

@@ -386,6 +386,41 @@ def test_per_type_thresholds_hold_each_types_rate_and_follow_a_query_shift():
     assert info2["type_thresholds"][1] is None and (thr2[pred == 1] == tau).all()
 
 
+def test_a_query_shift_that_stands_out_is_noted_with_the_cells_it_keeps_known():
+    """A query batch where every cell one known type's head claims is a novel type (the known
+    type absent there) looks to the cosines like a batch that shifts that type: the threshold
+    follows it, and the cells are kept known. The run cannot tell the two apart, so it says
+    which type, which batch and how many cells the shift keeps known that the in-sample
+    threshold calls out of distribution; a batch that shifts every type alike is not noted.
+    """
+    from orca_sc._discover import shift_notes, type_thresholds
+
+    rng = np.random.default_rng(1)
+    n = 300
+    labels = np.repeat([0, 1, 2], n)
+    held = np.r_[rng.normal(0.8, 0.03, n), rng.normal(0.7, 0.03, n), rng.normal(0.75, 0.03, n)]
+    # batch 1 (a query): types 1 and 2 shifted by -0.05; type 0 absent, its head claiming 80
+    # cells of a novel type at 0.55 (below the in-sample threshold 0.62)
+    q1 = rng.normal(0.65, 0.03, n)
+    q2 = rng.normal(0.70, 0.03, n)
+    nov = rng.normal(0.55, 0.02, 80)
+    # batch 2 (a query): every type shifted by -0.1
+    r = [rng.normal(m - 0.1, 0.03, n) for m in (0.8, 0.7, 0.75)]
+    maxcos = np.concatenate([held, q1, q2, nov, *r])
+    pred = np.r_[labels, np.ones(n, int), np.full(n, 2), np.zeros(80, int), labels]
+    all_labels = np.r_[labels, np.full(maxcos.size - 3 * n, -1)]
+    held_out = np.where(all_labels >= 0, maxcos, np.nan)
+    domain = np.r_[np.zeros(3 * n, int), np.ones(2 * n + 80, int), np.full(3 * n, 2)]
+    thr, info = type_thresholds(maxcos, pred, all_labels, held_out, domain > 0, domain, 0.62, 0.05)
+    novel_cells = slice(5 * n, 5 * n + 80)
+    assert (maxcos[novel_cells] >= thr[novel_cells]).mean() > 0.9  # the shift keeps them known
+    assert info["shift_kept"][1][0] >= 70
+    notes = shift_notes(info, ["reference", "query_a", "query_b"], ["T", "B", "NK"], 20)
+    assert len(notes) == 1
+    assert "'query_a'" in notes[0] and "'T'" in notes[0] and "absent" in notes[0]
+    assert f" {info['shift_kept'][1][0]} of them" in notes[0]
+
+
 def test_threshold_capped_by_cross_fitted_cosines():
     """The in-sample quantile is capped at the ``ood_max_rate`` quantile of the cross-fitted
     cosines (cells no net trained on), given at least ``1 / ood_max_rate`` of them.

@@ -58,9 +58,11 @@ from .ood import (
     _query_candidates,
     _rank_by_size,
     calibration_split,
+    cells_for_quantile,
     ood_clusters,
     ood_threshold,
     query_ood_clusters,
+    shift_notes,
     type_thresholds,
 )
 from .scale import size_check
@@ -90,6 +92,7 @@ class DiscoveryInput:
     calibration: np.ndarray | None = None
     domain_names: list[str] | None = None
     held_out_similarity: np.ndarray | None = None
+    class_names: list[str] | None = None
 
 
 def discover(
@@ -122,15 +125,19 @@ def discover(
         held_out = np.where(lab, held_out, np.nan)
     per_type = cfg.cross_fit_threshold == "per_type" and held_out is not None
     tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg, None if per_type else held_out)
-    cell_tau = None
+    cell_tau, shift_said = None, []
     if per_type:
         cell_tau, record = type_thresholds(
             maxcos, seen_similarity.argmax(axis=1), labels, held_out, query, domain, tau,
             cfg.novelty_alpha,
         )  # fmt: skip
         shifts = {domain_names[d]: v for d, v in record["query_shift"].items()}
+        kept = {domain_names[d]: v for d, v in record["shift_kept"].items()}
         tau_info = {**tau_info, "n_cross_fitted": int(np.isfinite(held_out).sum()),
-                    "type_thresholds": record["type_thresholds"], "query_shift": shifts}  # fmt: skip
+                    "type_thresholds": record["type_thresholds"], "query_shift": shifts,
+                    "shift_kept": kept}  # fmt: skip
+        shift_said = shift_notes(record, domain_names, cells.class_names,
+                                 cells_for_quantile(cfg.novelty_alpha))  # fmt: skip
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
         resolution=resolution, seed=seed, exclude=ev.supported | query,
@@ -149,7 +156,7 @@ def discover(
         anchor_heads=n_seen + assign[heads.core], threshold=tau,
         diagnostics=_diagnostics(sizes, ev, domain_names, (resolution, scores), heads, groups,
                                  bool(query.any()), tau_info, calib, cfg),
-        notes=tuple(_notes(labels, n_seen, int(calib.sum()), cfg)),
+        notes=tuple(_notes(labels, n_seen, int(calib.sum()), cfg) + shift_said),
     )  # fmt: skip
 
 
@@ -180,6 +187,7 @@ __all__ = [
     "segregated_batches",
     "self_check_report",
     "self_check_split",
+    "shift_notes",
     "size_check",
     "subsample_rows",
     "type_thresholds",

@@ -47,6 +47,13 @@ def _hold_out_per_class(labels: np.ndarray, frac: float, rng: np.random.Generato
     return held
 
 
+def cells_for_quantile(rate: float) -> int:
+    """The fewest cells whose ``rate`` quantile can fall below all of them (``1 / rate``, that
+    many); thresholds read from fewer are not used.
+    """
+    return math.ceil(1 / rate - 1e-9)
+
+
 def ood_threshold(
     maxcos: np.ndarray,
     train: np.ndarray,
@@ -64,7 +71,7 @@ def ood_threshold(
     """
     tau = float(np.quantile(maxcos[train], cfg.ood_quantile))
     info = {"threshold_in_sample": tau}
-    min_cells = math.ceil(1 / cfg.ood_max_rate)
+    min_cells = cells_for_quantile(cfg.ood_max_rate)
     if calibration.any():
         tau_cal = float(np.quantile(maxcos[calibration], cfg.ood_max_rate))
         info["threshold_held_out"] = tau_cal
@@ -111,16 +118,18 @@ def type_thresholds(
     raised by it), so that known cells of a shifted type are not called novel. Where the data
     cannot support a quantile (fewer than ``1 / alpha`` held-out cells of the type, or of the
     type's cells in a query batch), that part is skipped. Returns the thresholds and their
-    record: the quantile per type (``None``: too few cells) and the shift per query batch and
-    type.
+    record: the quantile per type (``None``: too few cells), the shift per query batch and
+    type, and per query batch and type the cells the shift keeps known that the in-sample
+    threshold calls out of distribution (``shift_kept``; :func:`shift_notes`).
     """
-    min_cells = math.ceil(1 / alpha - 1e-9)
+    min_cells = cells_for_quantile(alpha)
     thr = np.full(maxcos.shape[0], threshold)
     n_types = int(labels.max()) + 1 if (labels >= 0).any() else 0
     per_type: list[float | None] = [None] * n_types
     shift: dict[int, list[float | None]] = {
         int(d): [None] * n_types for d in np.unique(domain[query])
     }
+    kept: dict[int, list[int]] = {d: [0] * n_types for d in shift}
     for t in range(n_types):  # loop over known types, not cells
         ht = held_out[(labels == t) & np.isfinite(held_out)]
         if ht.size < min_cells:
@@ -137,7 +146,46 @@ def type_thresholds(
             delta = min(0.0, float(upper))
             shift[d][t] = delta
             thr[cells] = q + delta
-    return thr, {"type_thresholds": per_type, "query_shift": shift}
+            # cells the shift keeps known that the in-sample threshold calls out of distribution
+            kept[d][t] = int((cells & (maxcos < threshold) & (maxcos >= thr)).sum())
+    return thr, {"type_thresholds": per_type, "query_shift": shift, "shift_kept": kept}
+
+
+#: a query batch's shift of one known type is noted from this much (cosine) ...
+SHIFT_NOTED = -0.05
+#: ... and this many times the median shift of the batch's other types
+SHIFT_NOTED_RATIO = 2.0
+
+
+def shift_notes(record: dict, batch_names: list[str], class_names: list[str] | None,
+                min_cells: int) -> list[str]:  # fmt: skip
+    """Where a query batch's shift of a known type (:func:`type_thresholds`) keeps at least
+    ``min_cells`` cells known that the in-sample threshold calls out of distribution: the cosines
+    cannot tell a type the batch shifts from a novel type the head absorbs where the known type
+    itself is absent from the batch, so the user is told which, and how many cells. Said only
+    of a shift that stands out: at least :data:`SHIFT_NOTED` in cosine and
+    :data:`SHIFT_NOTED_RATIO` times the median shift of the batch's other types (a batch that
+    shifts every type alike is a batch effect).
+    """
+    notes = []
+    for d, kept in record["shift_kept"].items():  # loop over query batches and types
+        for t, n in enumerate(kept):
+            delta = record["query_shift"][d][t]
+            others = [v for u, v in enumerate(record["query_shift"][d]) if u != t and v is not None]
+            typical = float(np.median(others)) if others else 0.0
+            if n < min_cells or delta > SHIFT_NOTED or delta > SHIFT_NOTED_RATIO * typical:
+                continue
+            name = class_names[t] if class_names is not None else f"known type {t}"
+            rest = f" (the batch's other types: {typical:+.2f})" if others else ""
+            notes.append(
+                f"In query batch '{batch_names[d]}', the cells that '{name}' claims score "
+                f"{record['query_shift'][d][t]:+.2f} against its labelled cells{rest}; taken as "
+                f"a shift of the batch, this keeps {n} of them known that the in-sample "
+                f"threshold calls out of distribution. If '{name}' is absent from that batch, "
+                f"they may be a novel type its head absorbs: check their markers, or compare "
+                f"with cross_fit_threshold='none' (uns['orca']['estimate']['shift_kept'])."
+            )
+    return notes
 
 
 def ood_clusters(

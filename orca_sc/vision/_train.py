@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import metrics as M
 from .._engine import Callback, fit_phase
 from .._errors import ConfigError, OrcaInputError
-from .._train import resolve_device
+from .._train import reproducibly, resolve_device
 from ..module import adaptive_margin, orca_objective
 from ._data import ImageData, ImageSource
 from ._nets import ARCHS, Projector, VisionOrcaNet, freeze_all_but_last_block, make_backbone
@@ -459,6 +459,7 @@ def _score_epoch(net, data, split, dev, config, epoch: int, loss: _ImageOrcaLoss
     return scores
 
 
+@reproducibly
 def train_orca(
     data: ImageData,
     config: VisionConfig | None = None,
@@ -565,6 +566,7 @@ class PretrainRun:
     history: list[dict] = field(default_factory=list)
 
 
+@reproducibly
 def pretrain_simclr(
     data: ImageData,
     config: PretrainConfig | None = None,
@@ -628,6 +630,7 @@ def pretrain_simclr(
 
 
 # --------------------------------------------------------------------------- KMeans baseline
+@reproducibly
 def kmeans_baseline(
     backbone: torch.nn.Module,
     data: ImageData,
