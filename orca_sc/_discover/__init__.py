@@ -143,6 +143,7 @@ def discover(
         resolution=resolution, seed=seed, exclude=ev.supported | query,
         include=ev.desert, n_neighbors=cfg.n_neighbors, cell_threshold=cell_tau,
     )  # fmt: skip
+    # the same cells below their threshold as in ood_clusters, before its include/exclude
     ood = maxcos < (tau if cell_tau is None else cell_tau)
     groups = _query_candidates(ood, query, domain, pca_cells, cfg, seed)
     assign, sizes = _rank_by_size(assign, sizes, groups)

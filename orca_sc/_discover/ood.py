@@ -179,7 +179,7 @@ def shift_notes(record: dict, batch_names: list[str], class_names: list[str] | N
             rest = f" (the batch's other types: {typical:+.2f})" if others else ""
             notes.append(
                 f"In query batch '{batch_names[d]}', the cells that '{name}' claims score "
-                f"{record['query_shift'][d][t]:+.2f} against its labelled cells{rest}; taken as "
+                f"{delta:+.2f} against its labelled cells{rest}; taken as "
                 f"a shift of the batch, this keeps {n} of them known that the in-sample "
                 f"threshold calls out of distribution. If '{name}' is absent from that batch, "
                 f"they may be a novel type its head absorbs: check their markers, or compare "
