@@ -87,6 +87,8 @@ class DiscoveryConfig:
         Folds of labelled cells cross-fitting the novelty p-values (one warm-up each; 0: no p-values).
     cross_fit_threshold
         The out-of-distribution threshold from the labelled cells' cross-fitted cosines (the novelty folds' warm-ups; no label is lost): ``"per_type"``, the ``novelty_alpha`` quantile of the type whose head scores the cell best, shifted in query batches; ``"cap"``, the in-sample threshold capped at their ``ood_max_rate`` quantile; ``"none"``, the in-sample threshold.
+    pca_input
+        What discovery's PCA reads: ``"log"``, the aligned log-normalised expression; ``"pearson"``, analytic Pearson residuals of the counts (Lause et al. 2021; gene shares per batch, overdispersion 100, clipped at the square root of the number of cells), where the input was counts (log-normalised input keeps ``"log"``); ``"auto"``, the residuals where the labelled cells' nearest labelled neighbours name their type right more often in them than in the log values (one-sided exact McNemar test, level 0.05), else the log values.
     integration
         ``"harmony"``: discovery reads the batches integrated by Harmony on the joint PCA (``"none"``: a PCA of each cell set).
     use_rep
@@ -122,6 +124,7 @@ class DiscoveryConfig:
     novelty_alpha: float = 0.05
     novelty_folds: int = 5
     cross_fit_threshold: str = "per_type"
+    pca_input: str = "log"
     integration: str = "none"
     use_rep: str | None = None
 
@@ -182,6 +185,8 @@ class DiscoveryConfig:
                 '"none" or "per_type" when novelty_folds=0 (the cap reads the cross-fitted '
                 "warm-ups; set novelty_folds >= 2)",
             )  # fmt: skip
+        if self.pca_input not in ("log", "pearson", "auto"):
+            _invalid("pca_input", self.pca_input, '"log", "pearson" or "auto"')
         if self.integration is None:  # as `--set integration=none` reads it
             object.__setattr__(self, "integration", "none")
         if self.integration not in ("none", "harmony"):

@@ -42,6 +42,8 @@ class PreparedData:
     input_scale: dict[str, str] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     rep: np.ndarray | None = None  # (n_cells, d) float32: the user's embedding (use_rep)
+    #: (n_cells,) each cell's counts over all its genes where the input held counts, else NaN
+    totals: np.ndarray | None = None
 
     @property
     def n_cells(self) -> int:
@@ -211,7 +213,7 @@ def prepare(
     _check_n_novel(config.n_novel, n_unlabeled)
     domain_names, domain = np.unique(enc.batches.astype(str), return_inverse=True)
     rep = read_rep(enc.inputs, config.discovery.use_rep)
-    X, hv, input_scale = read_selected(enc.inputs, domain, domain_names, config, comm)
+    X, hv, input_scale, totals = read_selected(enc.inputs, domain, domain_names, config, comm)
     X.sort_indices()
     genes = [enc.genes[i] for i in hv]
     info = {
@@ -232,6 +234,7 @@ def prepare(
         input_scale=input_scale,
         info=info,
         rep=rep,
+        totals=totals,
     )
 
 
@@ -386,12 +389,17 @@ def read_selected(
     readers, spans = _readers(inputs, config, comm if multi else None)
     starts = np.cumsum([0] + [i.adata.n_obs if i.keep is None else i.keep.size for i in inputs])
 
+    # each cell's counts (over all its genes) where its input holds counts, NaN elsewhere
+    totals = np.full(int(starts[-1]), np.nan)
+
     def rows_of(i: int):  # input i's chunks: (rows of the run, chunk of its kept rows)
         inp, span = inputs[i], spans[i]
         for start, stop, m in readers[i]:
             lo = int(span[start]) if span.size else 0
             rows = _kept_rows(inp.keep, lo, lo + stop - start)
             pos = starts[i] + (rows if inp.keep is None else np.searchsorted(inp.keep, rows))
+            if readers[i].last_totals is not None:
+                totals[pos] = readers[i].last_totals[rows - lo]
             yield pos, m[rows - lo]
 
     stats = GeneStats(len(domain_names), n_shared)
@@ -432,13 +440,18 @@ def read_selected(
         for i in range(len(inputs)):
             empty = sp.csr_matrix((0, hv.size), dtype=np.float32)
             blocks.extend(comm.gather_objects(sp.vstack([empty, *selected(i)], format="csr")))
-        return sp.vstack(blocks, format="csr", dtype=np.float32), hv, scales
+        # each rank read its share of the totals: the others are NaN there
+        parts = np.stack(comm.gather_objects(totals))
+        done = np.isfinite(parts)
+        totals = np.where(done.any(axis=0), np.nanmax(np.where(done, parts, -np.inf), axis=0),
+                          np.nan)  # fmt: skip
+        return sp.vstack(blocks, format="csr", dtype=np.float32), hv, scales, totals
     # written chunk by chunk into arrays of its final size (joining the chunks held the selected
     # matrix twice: 100,000 cells at 43% non-zeros peaked 0.6 GiB above the budget); for input
     # on disk into a scratch file
     chunks = (b for i in range(len(inputs)) for b in selected(i))
     X = fill_csr(chunks, int(stats.n.sum()), hv.size, int(stored[hv].sum()), scratch=streamed)
-    return X, hv, scales
+    return X, hv, scales, totals
 
 
 def _readers(inputs: list[_Input], config: OrcaConfig, comm: Any) -> tuple[list, list]:

@@ -28,6 +28,7 @@ from ._data import PreparedData, prepare
 from ._discover import (
     Discovery,
     DiscoveryInput,
+    PearsonResiduals,
     calibration_split,
     discover,
     discover_without_warmup,
@@ -69,6 +70,55 @@ class Transform:
     info: dict[str, Any]
 
 
+#: the level of the test that switches discovery's PCA to Pearson residuals (``pca_input="auto"``)
+PCA_INPUT_ALPHA = 0.05
+
+
+def choose_pca_input(run: RunContext, residuals: PearsonResiduals) -> dict[str, Any]:
+    """``pca_input="auto"``: the Pearson residuals where the labelled cells say that they tell
+    cell types apart better than the log-normalised expression, else the log values.
+
+    The labelled cells (at most ``calibration_cells``, at random) are put in each PCA and each
+    is given the majority label of its ``n_neighbors`` nearest labelled cells (itself left
+    out). The residuals are used when they classify more cells right than the log values and a
+    one-sided exact McNemar test on the cells the two disagree on rejects "no better" at
+    :data:`PCA_INPUT_ALPHA`: the log values stay unless the data show the residuals pay.
+    Returns the record (both accuracies, the discordant counts, the p-value).
+    """
+    from scipy.stats import binom
+    from sklearn.neighbors import NearestNeighbors
+
+    d, dc, seed = run.data, run.config.discovery, run.config.seed
+    lab = np.flatnonzero(d.labels >= 0)
+    if lab.size > dc.calibration_cells:
+        lab = np.sort(np.random.default_rng(seed).choice(lab, dc.calibration_cells, replace=False))
+    y = d.labels[lab]
+    record: dict[str, Any] = {"pca_input": "log", "asked": "auto"}
+    if np.unique(y).size < 2 or lab.size <= dc.n_neighbors:
+        return {**record, "reason": "too few labelled cells to compare"}
+    t = run.transform
+    right = []
+    for res in (None, residuals):
+        z = pca_embedding(d.X, d.domain, t.scale, t.offset, n_comps=dc.n_pcs, seed=seed,
+                          rows=lab, residuals=res)  # fmt: skip
+        idx = NearestNeighbors(n_neighbors=dc.n_neighbors + 1).fit(z)
+        nb = y[idx.kneighbors(return_distance=False)[:, 1:]]
+        votes = np.stack([(nb == k).sum(axis=1) for k in range(int(y.max()) + 1)], axis=1)
+        right.append(votes.argmax(axis=1) == y)
+    log_only, res_only = int((right[0] & ~right[1]).sum()), int((right[1] & ~right[0]).sum())
+    p = float(binom.sf(res_only - 1, log_only + res_only, 0.5)) if res_only > log_only else 1.0
+    return {
+        **record,
+        "pca_input": "pearson" if p < PCA_INPUT_ALPHA else "log",
+        "knn_accuracy_log": float(right[0].mean()),
+        "knn_accuracy_pearson": float(right[1].mean()),
+        "right_only_log": log_only,
+        "right_only_pearson": res_only,
+        "p_value": p,
+        "n_cells": int(lab.size),
+    }
+
+
 @dataclass(frozen=True)
 class RunContext:
     """Everything a stage reads, built once: the prepared data, its alignment, the training
@@ -87,6 +137,9 @@ class RunContext:
     _pca_all: dict[int, np.ndarray] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    #: the Pearson residuals' depths and gene shares, fitted at the first PCA that reads them
+    _residuals: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _pca_input: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def n_seen(self) -> int:
@@ -102,10 +155,46 @@ class RunContext:
         every = rows is None or (rows.size == n and bool(np.array_equal(rows, np.arange(n))))
         if every and n_comps in self._pca_all:
             return self._pca_all[n_comps]
-        out = pca_embedding(X, domain, t.scale, t.offset, n_comps=n_comps, seed=seed, rows=rows)
+        out = pca_embedding(X, domain, t.scale, t.offset, n_comps=n_comps, seed=seed, rows=rows,
+                            residuals=self.residuals())  # fmt: skip
         if every:  # shared by its readers, which do not write to it
             self._pca_all[n_comps] = out
         return out
+
+    @property
+    def pca_input(self) -> str:
+        """What the PCA reads: ``"pearson"`` or ``"log"`` (:meth:`pca_input_record`)."""
+        return self.pca_input_record()["pca_input"]
+
+    def pca_input_record(self) -> dict[str, Any]:
+        """What the PCA reads and why, decided once: ``"log"`` where asked or where some input
+        was not counts; ``"pearson"`` where asked; with ``"auto"``, the Pearson residuals where
+        they tell the labelled types apart better (:func:`choose_pca_input`).
+        """
+        if self._pca_input:
+            return self._pca_input[0]
+        asked, totals = self.config.discovery.pca_input, self.data.totals
+        counts = totals is not None and totals.size > 0 and bool(np.isfinite(totals).all())
+        record: dict[str, Any] = {"pca_input": "log" if asked == "log" or not counts else asked}
+        if asked != "log" and not counts:
+            record["reason"] = "not every input held counts"
+        if record["pca_input"] == "auto":
+            record = choose_pca_input(self, self.residuals_fit())
+        self._pca_input.append(record)
+        return record
+
+    def residuals_fit(self) -> PearsonResiduals:
+        """The Pearson residuals' depths and gene shares of all cells, fitted once."""
+        if not self._residuals:
+            d = self.data
+            self._residuals.append(
+                PearsonResiduals.fit(d.X, d.domain, d.totals, self.config.target_sum)
+            )
+        return self._residuals[0]
+
+    def residuals(self) -> PearsonResiduals | None:
+        """The Pearson residuals the PCA reads (``None``: the log-normalised expression)."""
+        return self.residuals_fit() if self.pca_input == "pearson" else None
 
     def discovery_space(
         self, rows: np.ndarray, batch: np.ndarray
@@ -117,7 +206,7 @@ class RunContext:
         ``discovery.use_rep``, the rows of the user's embedding.
         """
         dc, seed = self.config.discovery, self.config.seed
-        info: dict[str, Any] = {"method": "none"}
+        info: dict[str, Any] = {"method": "none", **self.pca_input_record()}
         if self.data.rep is not None:  # the user's own integrated embedding
             rep = self.data.rep[rows]
             info = {"method": "use_rep", "key": dc.use_rep, "width": int(rep.shape[1])}
@@ -133,7 +222,7 @@ class RunContext:
                     emb, record = integrated_space(pcs, batch, dc.integration, seed)
                 done.append(emb)
                 info.clear()
-                info.update(record)
+                info.update(record, **self.pca_input_record())
             if done[0] is None:
                 return self.pca(dc.n_pcs, rows[idx])
             return done[0][idx]

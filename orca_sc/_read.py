@@ -116,6 +116,8 @@ class ChunkReader:
         self.chunk = chunk or CHUNK_CELLS
         self.scale: str | None = None
         self.n_empty = 0
+        #: the counts per cell of the chunk last given out (``None``: not counts)
+        self.last_totals: np.ndarray | None = None
 
     def __iter__(self):
         """``(start, stop, chunk)`` with the chunk a log-normalised CSR float32 matrix
@@ -138,8 +140,10 @@ class ChunkReader:
                     "log-normalised)."
                 )
                 raise OrcaInputError(msg)
+            self.last_totals = None
             if self.scale in (None, "counts"):
                 self.n_empty += int((np.diff(m.indptr) == 0).sum())
+                self.last_totals = np.asarray(m.sum(axis=1), dtype=np.float64).ravel()
                 m = log_normalize(m, self.target_sum, warn=False)
             yield start, stop, m
         self.nnz = nnz
@@ -168,13 +172,16 @@ class MemoryReader:
         self.target_sum = target_sum
         self.nnz = X.nnz
         self.n_obs = X.shape[0]
+        self.last_totals: np.ndarray | None = None
 
     def __iter__(self):
         """``(start, stop, chunk)``, as :meth:`ChunkReader.__iter__`."""
         for start in range(0, self.n_obs, CHUNK_CELLS):
             stop = min(self.n_obs, start + CHUNK_CELLS)
             m = self.X[start:stop]
+            self.last_totals = None
             if self.scale == "counts":
+                self.last_totals = np.asarray(m.sum(axis=1), dtype=np.float64).ravel()
                 m = log_normalize(m, self.target_sum, warn=False)
             yield start, stop, m
 

@@ -295,6 +295,15 @@ def _add(options):
     "PCA (recorded in uns 'orca' 'estimate' 'integration').",
 )
 @click.option(
+    "--pca-input",
+    type=click.Choice(["log", "pearson", "auto"]),
+    default="log",
+    show_default=True,
+    help="What discovery's PCA reads: log-normalised values, Pearson residuals of the counts, "
+    "or auto (the residuals where the labelled cells are told apart better in them; recorded "
+    "in uns 'orca' 'estimate' 'integration').",
+)
+@click.option(
     "--use-rep",
     default=None,
     metavar="KEY",
@@ -312,7 +321,7 @@ def _add(options):
 @click.pass_context
 def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer, batch_key,
              unlabeled_category, epochs, warmup_epochs, min_steps, batch_size, lr, device, seed, save_model, self_check,
-             novelty_alpha, novelty_folds, integration, use_rep, majority_vote, truth_key, report, on_disk,
+             novelty_alpha, novelty_folds, integration, pca_input, use_rep, majority_vote, truth_key, report, on_disk,
              overwrite, quiet):  # fmt: skip
     """Annotate QUERY.h5ad (one or several) with the cell types of REF.h5ad, discovering
     novel types.
@@ -365,6 +374,7 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
             novelty_alpha=novelty_alpha,
             novelty_folds=novelty_folds,
             integration=integration,
+            pca_input=pca_input,
             use_rep=use_rep,
             majority_vote=majority_vote,
         )
@@ -749,7 +759,7 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
             )
         if quick:
             seed_list = seed_list[:1]
-            sizes, disk_sizes = [1000, 2000], []
+            sizes, disk_sizes = [500, 1000], []
         if scaling_only:
             if not (sizes or disk_sizes):
                 raise CliError("--scaling-only needs --scaling-sizes or --scaling-disk-sizes.")

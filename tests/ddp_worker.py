@@ -141,6 +141,8 @@ def main(ref_path: str, query_path: str, out: str) -> None:
         "same_genes": data.genes == data_s.genes,
         "matrix_max_diff": float(abs(data.X - data_s.X).max()),
         "same_labels_prepared": bool(np.array_equal(data.labels, data_s.labels)),
+        "same_totals": bool(np.array_equal(data.totals, data_s.totals))
+        and bool(np.isfinite(data.totals).all()),
         "step_loss": [step_d[0], step_s[0]],
         "step_grad_rel_diff": _rel(step_d[1], step_s[1]),
         "step_grad_per_param": {

@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
+import scipy.sparse as sp
 from click.testing import CliRunner
 from conftest import SHARED_DATA, assert_cli_error
 
@@ -130,7 +131,7 @@ def test_quick_benchmark_cli(tmp_path):
     assert orca["novel_acc"] > 0.5  # real data: the hidden PBMC types are found
     sc = pd.read_csv(out / "scaling.csv")
     o = sc[sc["method"] == "ORCA"]
-    assert list(o["n_cells"]) == [1000, 2000]
+    assert list(o["n_cells"]) == [500, 1000]
     # figures, not checks of speed (a floor from a 20-repeat matmul is noisy at these sizes)
     assert (o["flop_floor_seconds_per_epoch"] > 0).all() and (o["seconds_per_epoch"] > 0).all()
     assert "## pbmc68k_protocol" in r.stdout and "| ORCA |" in r.stdout
@@ -285,6 +286,31 @@ def test_grow_task_redraws_every_cell_with_fresh_noise(sim):
         B.grow_task(B.Task("x", logged, t.query, "cell_type", t.seen, False), 1000)
 
 
+def test_grow_task_mix_draws_new_cells_of_each_type_at_the_same_depth(sim):
+    """``mode="mix"``: the first draw is the cell thinned, later draws pool the cell with a cell
+    of its own type and thin the sum by ``keep / 2`` (same depth, not a copy of one cell).
+    """
+    t = B.batch_split(sim, "cell_type", "batch", ["batch_0"], novel_classes=["type_5"])
+    g = B.grow_task(t, 3 * (t.reference.n_obs + t.query.n_obs), keep=0.8, seed=0, mode="mix")
+    assert g.name.endswith("_x3_mix") and g.info["grown"]["mode"] == "mix"
+    n_ref, X0 = t.reference.n_obs, sp.csr_matrix(t.reference.X)
+    X = sp.csr_matrix(g.reference.X)
+    total = X.sum(dtype=np.float64) / (3 * X0.sum(dtype=np.float64))
+    assert 0.77 < total < 0.83
+    later = X[2 * n_ref :]
+    # some later draws hold a gene their own cell did not express (pooled with another cell) ...
+    assert (later > X0).nnz > 0
+    # ... but never one that no cell of their type expressed
+    types = t.reference.obs["cell_type"].astype(str).to_numpy()
+    for ty in np.unique(types):
+        m = types == ty
+        seen_genes = np.asarray(X0[m].sum(axis=0)).ravel() > 0
+        assert not np.asarray(later[m].sum(axis=0)).ravel()[~seen_genes].any()
+    np.testing.assert_array_equal(g.truth[2 * t.query.n_obs :], t.truth)
+    with pytest.raises(OrcaInputError, match="mode"):
+        B.grow_task(t, 1000, mode="copy")
+
+
 # ------------------------------------------------------------------ the suite's hard corners
 @pytest.fixture(scope="module")
 def nested():
@@ -388,7 +414,7 @@ def test_scaling_only_times_orca_with_defaults_against_celltypist(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["scaling.csv", "scaling.md", "scaling.png"]
     sc = pd.read_csv(out / "scaling.csv")
     o = sc[sc["method"] == "ORCA"].set_index("n_cells")
-    assert list(o.index) == [1000, 2000] and (o["storage"] == "memory").all()
+    assert list(o.index) == [500, 1000] and (o["storage"] == "memory").all()
     # a real run with the defaults: every phase ran within its schedule and says why it stopped
     for c in ("warmup", "open_world"):
         assert (o[f"{c}_steps"] <= o[f"{c}_max_steps"]).all()
@@ -405,7 +431,7 @@ def test_scaling_only_times_orca_with_defaults_against_celltypist(tmp_path):
         assert (o[STAGE_PREFIX + name] >= 0).all()
     np.testing.assert_allclose(o[outer].sum(axis=1), o["seconds"], rtol=1e-6)
     md = (out / "scaling.md").read_text()
-    assert "× CellTypist" in md and "| ORCA | 2,000 |" in md and "| memory |" in md
+    assert "× CellTypist" in md and "| ORCA | 1,000 |" in md and "| memory |" in md
     assert "ORCA's seconds per stage" in md and "| open-world fit |" in md
     again = CliRunner().invoke(main, ["benchmark", "--quick", "--scaling-only", "--outdir",
                                       str(out), "-q"])  # fmt: skip
@@ -427,13 +453,13 @@ def test_scaling_at_several_densities_compares_each_with_its_own_peer():
 
 
 def test_scaling_from_disk_writes_the_simulation_once(tmp_path):
-    sc = B.run_scaling((), n_genes=300, disk_sizes=(1500,), workdir=tmp_path, progress=False)
+    sc = B.run_scaling((), n_genes=300, disk_sizes=(800,), workdir=tmp_path, progress=False)
     files = list(tmp_path.glob("*.h5ad"))
     assert len(files) == 1 and not list(tmp_path.glob("*.partial*"))
     assert list(sc["storage"]) == ["disk"] and list(sc["method"]) == ["ORCA"]
     assert sc["steps"].iloc[0] > 0 and sc["all_accuracy"].iloc[0] > 0.5
     mtime = files[0].stat().st_mtime_ns
-    B.run_scaling((), n_genes=300, disk_sizes=(1500,), workdir=tmp_path, progress=False)
+    B.run_scaling((), n_genes=300, disk_sizes=(800,), workdir=tmp_path, progress=False)
     assert files[0].stat().st_mtime_ns == mtime  # read again, not rewritten
 
 

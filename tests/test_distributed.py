@@ -48,6 +48,7 @@ def test_ranks_read_their_share_and_select_the_same_genes(ddp_result):
     assert ddp_result["same_genes"]
     assert ddp_result["matrix_max_diff"] == 0.0
     assert ddp_result["same_labels_prepared"]
+    assert ddp_result["same_totals"]  # each cell's counts, for the Pearson residuals
 
 
 def test_one_step_has_the_single_process_gradient(ddp_result):

@@ -5,7 +5,8 @@ separation and over-correction.
 
 import numpy as np
 import pytest
-from conftest import FAST, LABELS_ONLY
+from click.testing import CliRunner
+from conftest import FAST, FAST_ARGS, LABELS_ONLY
 
 import orca_sc
 from orca_sc import benchmark as B
@@ -156,3 +157,33 @@ def test_use_rep_is_checked_before_any_work(tmp_path):
                                   "-o", str(tmp_path / "out.h5ad"), *FAST_ARGS])  # fmt: skip
     assert_cli_error(r, "'X_emb' is not in the query's obsm")
     assert not (tmp_path / "out.h5ad").exists()
+
+
+def test_cli_pca_input_pearson_is_what_discovery_reads(small_sim, tmp_path):
+    """``--pca-input pearson`` on counts: discovery's PCA reads the Pearson residuals and the
+    record says so; on log-normalised input the log values, with the reason.
+    """
+    import anndata as ad
+    import scanpy as sc
+
+    from orca_sc.cli import main
+
+    lab = small_sim.obs["lab"].notna().to_numpy()
+    ref, query = small_sim[lab].copy(), small_sim[~lab].copy()
+    ref.obs["lab"] = ref.obs["lab"].astype(str)
+    del query.obs["lab"]
+    ref.write_h5ad(tmp_path / "ref.h5ad")
+    query.write_h5ad(tmp_path / "query.h5ad")
+    r = CliRunner().invoke(main, ["annotate", str(tmp_path / "ref.h5ad"),
+                                  str(tmp_path / "query.h5ad"), "--labels-key", "lab",
+                                  "--pca-input", "pearson", "-o", str(tmp_path / "out.h5ad"),
+                                  *FAST_ARGS])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    space = ad.read_h5ad(tmp_path / "out.h5ad").uns["orca"]["estimate"]["integration"]
+    assert space["pca_input"] == "pearson" and space["method"] == "none"
+    logged = small_sim.copy()
+    sc.pp.normalize_total(logged, target_sum=1e4)
+    sc.pp.log1p(logged)
+    orca_sc.tl.annotate(logged, labels_key="lab", pca_input="pearson", **FAST)
+    space = logged.uns["orca"]["estimate"]["integration"]
+    assert space["pca_input"] == "log" and space["reason"] == "not every input held counts"

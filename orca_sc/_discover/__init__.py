@@ -37,6 +37,7 @@ import numpy as np
 from .._config import DiscoveryConfig
 from ._stage import Discovery, _diagnostics, _notes, _once_per_cell_set
 from .graph import (
+    PearsonResiduals,
     calibrate_resolution,
     knn_graph,
     leiden,
@@ -164,6 +165,7 @@ def discover(
 __all__ = [
     "Discovery",
     "DiscoveryInput",
+    "PearsonResiduals",
     "SelfCheckSplit",
     "calibrate_resolution",
     "calibration_split",

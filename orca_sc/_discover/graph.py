@@ -5,6 +5,7 @@ graph, seeded Leiden, and the resolution that matches the granularity of the lab
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
@@ -22,6 +23,63 @@ def subsample_rows(n: int, seed: int, max_cells: int = _DEFAULTS.max_cells) -> n
     return np.arange(n) if n <= max_cells else np.sort(rng.choice(n, max_cells, replace=False))
 
 
+#: overdispersion of the Pearson residuals' negative binomial (Lause, Berens & Kobak 2021)
+RESIDUAL_THETA = 100.0
+
+
+@dataclass(frozen=True)
+class PearsonResiduals:
+    """Analytic Pearson residuals of the counts behind a log-normalised matrix (Lause, Berens &
+    Kobak 2021, Genome Biology 22:258): ``(c - mu) / sqrt(mu + mu^2 / theta)`` with
+    ``mu = n_c * p_gb``, ``n_c`` the cell's counts in the selected genes and ``p_gb`` the
+    gene's share of its batch's counts, clipped at ``sqrt(number of cells)``.
+
+    Log-normalising a shallow cell multiplies its single counts by the same large factor as its
+    markers (``log1p(10,000 / 300)`` for one count of a cell of 300), so at droplet depth the
+    PCA of log values follows sampling noise; the residuals weigh a gene's count by the noise a
+    cell of that depth would show. The counts are rebuilt from the log values
+    (``expm1(x) * total / target_sum``) with each cell's total counts from reading.
+    """
+
+    factor: np.ndarray  # (n,) counts per unit of expm1(x): total / target_sum
+    depth: np.ndarray  # (n,) counts in the selected genes
+    share: np.ndarray  # (n_batches, n_genes) each gene's share of its batch's counts
+    clip: float
+
+    @classmethod
+    def fit(cls, X: sp.csr_matrix, domain: np.ndarray, totals: np.ndarray,
+            target_sum: float) -> PearsonResiduals:  # fmt: skip
+        """Depths and per-batch gene shares of all rows of ``X`` (chunk by chunk, sparse)."""
+        factor = np.asarray(totals, dtype=np.float64) / target_sum
+        n_batches = int(domain.max()) + 1 if domain.size else 0
+        sums = np.zeros((n_batches, X.shape[1]))
+        depth = np.zeros(X.shape[0])
+        for start in range(0, X.shape[0], _CHUNK):
+            rows = np.arange(start, min(X.shape[0], start + _CHUNK))
+            c = _counts(X, rows, factor)
+            depth[rows] = np.asarray(c.sum(axis=1)).ravel()
+            for b in np.unique(domain[rows]):  # loop over batches, not cells
+                sums[b] += np.asarray(c[domain[rows] == b].sum(axis=0)).ravel()
+        share = sums / np.maximum(sums.sum(axis=1, keepdims=True), 1e-300)
+        return cls(factor, depth, share, float(np.sqrt(X.shape[0])))
+
+    def rows(self, X: sp.csr_matrix, domain: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The residuals of the cells ``rows``, dense (one chunk at a time)."""
+        c = _counts(X, rows, self.factor).toarray()
+        mu = self.depth[rows, None] * self.share[domain[rows]]
+        sd = np.sqrt(mu + mu * mu / RESIDUAL_THETA)
+        r = np.divide(c - mu, sd, out=np.zeros_like(mu), where=sd > 0)
+        return np.clip(r, -self.clip, self.clip, out=r).astype(np.float32)
+
+
+def _counts(X: sp.csr_matrix, rows: np.ndarray, factor: np.ndarray) -> sp.csr_matrix:
+    """The counts of ``rows`` rebuilt from log-normalised values (float64, sparse)."""
+    m = sp.csr_matrix(X[rows], dtype=np.float64)
+    np.expm1(m.data, out=m.data)
+    m.data *= np.repeat(factor[rows], np.diff(m.indptr))
+    return m
+
+
 def pca_embedding(
     X: sp.csr_matrix,
     domain: np.ndarray,
@@ -30,22 +88,29 @@ def pca_embedding(
     n_comps: int = 30,
     seed: int = 0,
     rows: np.ndarray | None = None,
+    residuals: PearsonResiduals | None = None,
 ) -> np.ndarray:
-    """PCA of the aligned data: fitted on one chunk (at most 8,192 random cells), applied chunk by
-    chunk, so the full matrix is never densified.
+    """PCA of the aligned data (or of ``residuals``' Pearson residuals of the counts): fitted on
+    one chunk (at most 8,192 random cells), applied chunk by chunk, so the full matrix is never
+    densified.
     """
     from sklearn.decomposition import PCA
+
+    def dense(r: np.ndarray) -> np.ndarray:
+        if residuals is not None:
+            return residuals.rows(X, domain, r)
+        return aligned_rows(X, domain, scale, offset, r)
 
     rows = np.arange(X.shape[0]) if rows is None else rows
     rng = np.random.default_rng(seed)
     fit_rows = rows if rows.size <= _CHUNK else rng.choice(rows, _CHUNK, replace=False)
     n_comps = int(min(n_comps, fit_rows.size - 1, X.shape[1] - 1))
     pca = PCA(n_components=n_comps, random_state=seed)
-    pca.fit(aligned_rows(X, domain, scale, offset, fit_rows))
+    pca.fit(dense(fit_rows))
     out = np.empty((rows.size, n_comps), dtype=np.float32)
     for start in range(0, rows.size, _CHUNK):
         r = rows[start : start + _CHUNK]
-        out[start : start + r.size] = pca.transform(aligned_rows(X, domain, scale, offset, r))
+        out[start : start + r.size] = pca.transform(dense(r))
     return out
 
 

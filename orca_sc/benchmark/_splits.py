@@ -131,26 +131,55 @@ def batch_split(
     return Task(name, ref, query, labels_key, seen, single=False, seed=seed)
 
 
-def grow_task(task: Task, n_cells: int, *, keep: float = 0.8, seed: int = 0) -> Task:
-    """``task`` with every cell drawn ``round(n_cells / cells)`` times (at least once) by binomial
-    thinning of its counts (each count kept with probability ``keep``): the same biology carried
-    by more cells, each draw with fresh sampling noise, as an atlas holds it. Reference and query
-    grow by the same factor; labels, truth and batches are copied to every draw.
+def grow_task(
+    task: Task, n_cells: int, *, keep: float = 0.8, seed: int = 0, mode: str = "redraw"
+) -> Task:
+    """``task`` grown to about ``n_cells`` cells: every cell drawn ``round(n_cells / cells)``
+    times (at least once). Reference and query grow by the same factor; labels, truth and
+    batches are copied to every draw.
+
+    ``mode="redraw"``: each draw is the cell's counts binomially thinned (each count kept with
+    probability ``keep``), fresh sampling noise on the same cell. A cell drawn more often than a
+    kNN graph has neighbours is then its own neighbourhood: its draws are closer to each other
+    than to any other cell. ``mode="mix"``: each draw after the first pools the cell's counts
+    with those of a random cell of the same type (and the same ``obs['batch']``, where there is
+    one) and thins the sum with probability ``keep / 2``: new cells of the type at the same
+    depth, not copies of one.
 
     Needs raw counts (non-negative integers): thinning log-normalised values means nothing.
     """
+    if mode not in ("redraw", "mix"):
+        raise OrcaInputError(f"grow_task mode must be 'redraw' or 'mix', got {mode!r}.")
     n0 = task.reference.n_obs + task.query.n_obs
     factor = max(1, int(round(n_cells / n0)))
     rng = np.random.default_rng([seed, 0x6A0])
+    types = (task.reference.obs[task.labels_key], task.query.obs[TRUTH])
+    ref, query = (
+        _redraw(a, factor, keep, rng, t if mode == "mix" else None)
+        for a, t in zip((task.reference, task.query), types, strict=True)
+    )
+    suffix = "" if mode == "redraw" else "_mix"
     return Task(
-        f"{task.name}_x{factor}", _redraw(task.reference, factor, keep, rng),
-        _redraw(task.query, factor, keep, rng), task.labels_key, task.seen, task.single,
-        task.seed, {**task.info, "grown": {"factor": factor, "keep": keep}},
+        f"{task.name}_x{factor}{suffix}", ref, query, task.labels_key, task.seen, task.single,
+        task.seed, {**task.info, "grown": {"factor": factor, "keep": keep, "mode": mode}},
     )  # fmt: skip
 
 
-def _redraw(adata: Any, factor: int, keep: float, rng: np.random.Generator) -> Any:
-    """``factor`` binomially thinned draws of every cell of ``adata`` (CSR, draw by draw)."""
+def _partners(groups: pd.Series, rng: np.random.Generator) -> np.ndarray:
+    """For every row, a random row of the same group (itself only where the group has one)."""
+    codes = pd.factorize(groups.astype(str), sort=True)[0]
+    out = np.empty(codes.size, dtype=np.int64)
+    for g in np.unique(codes):  # loop over groups, not cells
+        idx = np.flatnonzero(codes == g)
+        out[idx] = idx[rng.integers(0, idx.size, idx.size)]
+    return out
+
+
+def _redraw(adata: Any, factor: int, keep: float, rng: np.random.Generator,
+            types: pd.Series | None = None) -> Any:  # fmt: skip
+    """``factor`` binomially thinned draws of every cell of ``adata`` (CSR, draw by draw); with
+    ``types``, draws after the first pool each cell with a random cell of its type (and batch).
+    """
     import anndata as ad
     import scipy.sparse as sp
 
@@ -162,12 +191,23 @@ def _redraw(adata: Any, factor: int, keep: float, rng: np.random.Generator) -> A
             "values (log-normalised?)."
         )
     counts = data.astype(np.int64)
+    groups = None
+    if types is not None:
+        groups = types.astype(str)
+        if "batch" in adata.obs:
+            groups = groups + "\x00" + adata.obs["batch"].astype(str)
+    Xi = sp.csr_matrix((counts, X.indices, X.indptr), shape=X.shape)
     draws = []
-    for _ in range(factor):  # loop over draws, not cells
-        d = sp.csr_matrix(
-            (rng.binomial(counts, keep).astype(np.float32), X.indices.copy(), X.indptr.copy()),
-            shape=X.shape,
-        )
+    for k in range(factor):  # loop over draws, not cells
+        if groups is None or k == 0:
+            d = sp.csr_matrix(
+                (rng.binomial(counts, keep).astype(np.float32), X.indices.copy(),
+                 X.indptr.copy()), shape=X.shape,
+            )  # fmt: skip
+        else:
+            pooled = (Xi + Xi[_partners(groups, rng)]).tocsr()
+            pooled.data = rng.binomial(pooled.data, keep / 2).astype(np.float32)
+            d = pooled
         d.eliminate_zeros()  # in place: hence the copies of X's index arrays
         draws.append(d)
     obs = pd.concat([adata.obs] * factor)
