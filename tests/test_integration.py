@@ -67,7 +67,7 @@ def test_an_annotation_with_harmony_records_it_and_repeats_itself():
     # the default reads the PCA of each cell set, and says so
     q = query.copy()
     orca_sc.tl.annotate(q, ref, labels_key="cell_type", **(FAST | LABELS_ONLY))
-    assert q.uns["orca"]["estimate"]["integration"] == {"method": "none"}
+    assert q.uns["orca"]["estimate"]["integration"] == {"method": "none", "pca_input": "log"}
 
 
 def test_integration_option_is_checked():
