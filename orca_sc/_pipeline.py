@@ -206,11 +206,11 @@ class RunContext:
         ``discovery.use_rep``, the rows of the user's embedding.
         """
         dc, seed = self.config.discovery, self.config.seed
-        info: dict[str, Any] = {"method": "none", **self.pca_input_record()}
-        if self.data.rep is not None:  # the user's own integrated embedding
+        if self.data.rep is not None:  # the user's own integrated embedding: no PCA
             rep = self.data.rep[rows]
             info = {"method": "use_rep", "key": dc.use_rep, "width": int(rep.shape[1])}
             return rep.__getitem__, info
+        info: dict[str, Any] = {"method": "none", **self.pca_input_record()}
         if dc.integration == "none":
             return (lambda idx: self.pca(dc.n_pcs, rows[idx])), info
         done: list[np.ndarray | None] = []

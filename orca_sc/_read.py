@@ -143,8 +143,9 @@ class ChunkReader:
             self.last_totals = None
             if self.scale in (None, "counts"):
                 self.n_empty += int((np.diff(m.indptr) == 0).sum())
-                self.last_totals = np.asarray(m.sum(axis=1), dtype=np.float64).ravel()
-                m = log_normalize(m, self.target_sum, warn=False)
+                totals = np.asarray(m.sum(axis=1)).ravel()  # in the matrix's own dtype
+                self.last_totals = totals.astype(np.float64)
+                m = log_normalize(m, self.target_sum, warn=False, totals=totals)
             yield start, stop, m
         self.nnz = nnz
         if nnz == 0 and self.require_values:
@@ -181,8 +182,9 @@ class MemoryReader:
             m = self.X[start:stop]
             self.last_totals = None
             if self.scale == "counts":
-                self.last_totals = np.asarray(m.sum(axis=1), dtype=np.float64).ravel()
-                m = log_normalize(m, self.target_sum, warn=False)
+                totals = np.asarray(m.sum(axis=1)).ravel()  # in the matrix's own dtype
+                self.last_totals = totals.astype(np.float64)
+                m = log_normalize(m, self.target_sum, warn=False, totals=totals)
             yield start, stop, m
 
 
@@ -280,9 +282,13 @@ def _linear_not_log(X: sp.csr_matrix, max_cells: int = 500) -> bool:
     return linear < 1e-3 and logged > max(10 * linear, 1e-3)
 
 
-def log_normalize(X: sp.csr_matrix, target_sum: float, warn: bool = True) -> sp.csr_matrix:
-    """Counts -> ``log1p(target_sum * x / total)`` per cell; sparse in, sparse out."""
-    totals = np.asarray(X.sum(axis=1)).ravel()
+def log_normalize(
+    X: sp.csr_matrix, target_sum: float, warn: bool = True, totals: np.ndarray | None = None
+) -> sp.csr_matrix:
+    """Counts -> ``log1p(target_sum * x / total)`` per cell; sparse in, sparse out. ``totals``:
+    the cells' counts where the caller has summed them already.
+    """
+    totals = np.asarray(X.sum(axis=1)).ravel() if totals is None else totals
     n_empty = int((totals == 0).sum())
     if n_empty and warn:
         warn_empty(n_empty)
