@@ -48,12 +48,13 @@ def aligned_rows(
     return X[rows].toarray() * scale[d] + offset[d]
 
 
-def group_domain_means(
+def group_domain_sums(
     X: sp.csr_matrix, groups: np.ndarray, n_groups: int, domain: np.ndarray, n_domains: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Mean expression of every (group, batch) pair and its cell count (sparse products only).
+    """Summed expression of every (group, batch) pair and its cell count (sparse products only;
+    ``groups < 0``: no group).
 
-    Returns ``(means (n_groups, n_domains, n_genes), counts (n_groups, n_domains))``.
+    Returns ``(sums (n_groups, n_domains, n_genes), counts (n_groups, n_domains))``, float64.
     """
     if not (sp.issparse(X) and X.format == "csr"):
         X = sp.csr_matrix(X)
@@ -72,9 +73,19 @@ def group_domain_means(
         at = np.repeat(pair[start:stop] * n_genes, np.diff(indptr[start : stop + 1]))
         at += X.indices[lo:hi]
         sums += np.bincount(at, weights=X.data[lo:hi], minlength=sums.size)
-    sums = sums[: n_pairs * n_genes].reshape(n_pairs, n_genes)
-    means = sums / np.maximum(counts, 1)[:, None]
-    return means.reshape(n_groups, n_domains, -1), counts.reshape(n_groups, n_domains)
+    sums = sums[: n_pairs * n_genes].reshape(n_groups, n_domains, n_genes)
+    return sums, counts.reshape(n_groups, n_domains)
+
+
+def group_domain_means(
+    X: sp.csr_matrix, groups: np.ndarray, n_groups: int, domain: np.ndarray, n_domains: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mean expression of every (group, batch) pair and its cell count (sparse products only).
+
+    Returns ``(means (n_groups, n_domains, n_genes), counts (n_groups, n_domains))``.
+    """
+    sums, counts = group_domain_sums(X, groups, n_groups, domain, n_domains)
+    return sums / np.maximum(counts, 1)[..., None], counts
 
 
 def class_centroids(X: sp.csr_matrix, labels: np.ndarray, n_classes: int) -> np.ndarray:

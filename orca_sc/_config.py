@@ -124,7 +124,7 @@ class DiscoveryConfig:
     novelty_alpha: float = 0.05
     novelty_folds: int = 5
     cross_fit_threshold: str = "per_type"
-    pca_input: str = "log"
+    pca_input: str = "auto"
     integration: str = "none"
     use_rep: str | None = None
 

@@ -18,7 +18,6 @@ from . import __version__
 from ._align import (
     aligned_group_means,
     centroid_shift,
-    group_domain_means,
     identity,
     profile_similarity,
     standardize,
@@ -36,7 +35,7 @@ from ._card import model_card
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
 from ._discover import match_known_types, match_novel_across_batches, name_heads
-from ._discover.naming import batch_background
+from ._discover.naming import naming_means
 from ._engine import stage
 from ._errors import OrcaInputError, check_anndata, check_input_file
 from ._pipeline import Fit
@@ -222,13 +221,12 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
     if threshold is not None and n_novel > 0:
         # the batches' background and the clusters' means, computed once for both matches
         clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
-        background = batch_background(data.X, data.domain)
-        means, n_in = group_domain_means(
-            data.X, clusters, n_novel, data.domain, int(data.domain.max()) + 1
+        background, (means, n_in), known = naming_means(
+            data.X, data.labels, data.domain, clusters, n_novel, n_seen
         )
         pairs = match_known_types(
             data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold,
-            background=background, cluster_means=(means, n_in),
+            background=background, cluster_means=(means, n_in), known_means=known,
         )  # fmt: skip
     if threshold is not None and n_novel > 1:  # one novel type found in several batches
         into_known = [h for h, _, _ in pairs]

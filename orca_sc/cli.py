@@ -297,7 +297,7 @@ def _add(options):
 @click.option(
     "--pca-input",
     type=click.Choice(["log", "pearson", "auto"]),
-    default="log",
+    default="auto",
     show_default=True,
     help="What discovery's PCA reads: log-normalised values, Pearson residuals of the counts, "
     "or auto (the residuals where the labelled cells are told apart better in them; recorded "
@@ -793,12 +793,13 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
             raise CliError("--set and --task-seed apply to ORCA alone: add --method ORCA.")
         if orca_alone:
             overrides = _overrides(set_pairs)
+            threads = torch_threads()  # what every run is pinned to (run_orca_suite)
             runs = B.run_orca_suite(
                 specs, seed_list, overrides, task_seed=task_seed, progress=not quiet
             )
             result = B.BenchmarkResult(runs, B.summarize_runs(runs))
             result.settings = {"version": orca_sc_version(), "seeds": seed_list,
-                               "torch_threads": torch_threads(), "overrides": overrides,
+                               "torch_threads": threads, "overrides": overrides,
                                "task_seed": task_seed}  # fmt: skip
         else:
             abl_list = _csv_list(ablation_seeds, int) or seed_list

@@ -469,7 +469,9 @@ def test_anchoring_separates_novel_types_the_warm_up_embedding_merges():
     anchoring was 0.29 and 0.54 on other machines and versions), so the test asserts the
     mechanism, a novel type absorbed whole, not one figure. On 2,000 cells x 1,000 genes the
     embedding keeps the types apart without anchoring too (0.86 against 0.997), so the test needs
-    this size.
+    this size. The pairs read the PCA of the log values (``pca_input="log"``): in that of the
+    Pearson residuals, which the default picks on these counts, no type is absorbed without
+    anchoring either.
     """
     from orca_sc.benchmark import simulated_open_world
 
@@ -478,7 +480,7 @@ def test_anchoring_separates_novel_types_the_warm_up_embedding_merges():
         a, lab = simulated_open_world(4000, 2000, seed=0)
         orca_sc.tl.annotate(
             a, labels_key="lab", progress=False, anchor_epochs=epochs, pair_space="pca",
-            novelty_folds=0,
+            novelty_folds=0, pca_input="log",
         )  # fmt: skip
         q = a[~lab]
         r = orca_sc.metrics.report(q, "cell_type")

@@ -64,10 +64,14 @@ def test_an_annotation_with_harmony_records_it_and_repeats_itself():
     novel = runs[0].obs["orca_novel"].notna().to_numpy()
     is4 = (query.obs["cell_type"] == "type_4").to_numpy()
     assert novel[is4].mean() > 0.8 and novel[~is4].mean() < 0.1
-    # the default reads the PCA of each cell set, and says so
+    # the default reads the PCA of each cell set and, on counts, decides what the PCA reads
+    # with the labelled cells' test, and says so
     q = query.copy()
     orca_sc.tl.annotate(q, ref, labels_key="cell_type", **(FAST | LABELS_ONLY))
-    assert q.uns["orca"]["estimate"]["integration"] == {"method": "none", "pca_input": "log"}
+    space = q.uns["orca"]["estimate"]["integration"]
+    assert space["method"] == "none" and space["asked"] == "auto"
+    assert space["pca_input"] == ("pearson" if space["p_value"] < 0.05 else "log")
+    assert 0 < space["n_cells"] <= ref.n_obs
 
 
 def test_integration_option_is_checked():

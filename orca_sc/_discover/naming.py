@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import scipy.sparse as sp
 
-from .._align import group_domain_means
+from .._align import group_domain_means, group_domain_sums
 from .._config import DiscoveryConfig
 
 _DEFAULTS = DiscoveryConfig()
@@ -24,6 +24,28 @@ def batch_background(X: sp.csr_matrix, domain: np.ndarray) -> np.ndarray:
     n_domains = int(domain.max()) + 1
     zeros = np.zeros(X.shape[0], dtype=np.int64)
     return group_domain_means(X, zeros, 1, domain, n_domains)[0][0]
+
+
+def naming_means(
+    X: sp.csr_matrix,
+    labels: np.ndarray,
+    domain: np.ndarray,
+    clusters: np.ndarray,
+    n_clusters: int,
+    n_seen: int,
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """What :func:`match_known_types` and :func:`match_novel_across_batches` read, from one
+    pass over ``X``: each batch's background, the clusters' and the labelled types' per-batch
+    means and counts (``labels``/``clusters``: ``-1`` for none; a cell is in at most one).
+    """
+    n_domains = int(domain.max()) + 1
+    rest = n_seen + n_clusters  # every other cell, for the background
+    groups = np.where(labels >= 0, labels, np.where(clusters >= 0, n_seen + clusters, rest))
+    sums, counts = group_domain_sums(X, groups, rest + 1, domain, n_domains)
+    background = sums.sum(axis=0) / np.maximum(counts.sum(axis=0), 1)[:, None]
+    means = sums / np.maximum(counts, 1)[..., None]
+    known = (means[:n_seen], counts[:n_seen])
+    return background, (means[n_seen:rest], counts[n_seen:rest]), known
 
 
 def _signatures(means, counts, background):
@@ -49,6 +71,7 @@ def match_known_types(
     *,
     background: np.ndarray | None = None,
     cluster_means: tuple[np.ndarray, np.ndarray] | None = None,
+    known_means: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[tuple[int, int, float]]:
     """Novel clusters that are a known type seen in another batch.
 
@@ -61,8 +84,9 @@ def match_known_types(
     type, provided no cell of the type is labelled in the cluster's batch (within one batch the
     labels already say which cells belong to the type, so no cluster is merged there).
 
-    ``background`` (:func:`batch_background`) and ``cluster_means`` (the clusters'
-    :func:`group_domain_means`), where the caller has them, are not computed again.
+    ``background`` (:func:`batch_background`), ``cluster_means`` (the clusters'
+    :func:`group_domain_means`) and ``known_means`` (the labelled types'), where the caller has
+    them (:func:`naming_means`), are not computed again.
 
     Returns ``[(cluster, type, correlation), ...]`` for the merged clusters.
     """
@@ -71,10 +95,9 @@ def match_known_types(
         background = batch_background(X, domain)
     if cluster_means is None:
         cluster_means = group_domain_means(X, clusters, n_clusters, domain, n_domains)
-    # -1 (unlabelled) is no group
-    known, _, known_counts = _signatures(
-        *group_domain_means(X, labels, n_seen, domain, n_domains), background
-    )
+    if known_means is None:  # -1 (unlabelled) is no group
+        known_means = group_domain_means(X, labels, n_seen, domain, n_domains)
+    known, _, known_counts = _signatures(*known_means, background)
     novel, novel_main, novel_counts = _signatures(*cluster_means, background)
     corr = novel @ known.T  # (n_clusters, n_seen) Pearson correlation of the signatures
     # a type can only absorb a cluster whose batch has none of the type's labelled cells

@@ -23,7 +23,7 @@ import pandas as pd
 
 from ._integration import integration_figures
 from ._methods import annotate_task, confidence_figures, novelty_test_shares
-from ._run import PeakMemory, score
+from ._run import PeakMemory, score, torch_threads
 from ._scaling import training_columns
 from ._tasks import TaskSpec
 
@@ -64,12 +64,14 @@ def run_orca_suite(
     module). ``task_seed``: every task's split (labelled cells, hidden types, subsamples) drawn
     with that seed, only the model's seed varying: the same data, another seed.
     """
-    rows = []
+    import torch
+
+    rows, threads = [], torch.get_num_threads()  # every run at the count the suite started with
     for spec in specs:
         for seed in seeds:
             task = spec.make(seed if task_seed is None else task_seed)
             t0 = time.perf_counter()
-            with warnings.catch_warnings(), PeakMemory() as mem:
+            with warnings.catch_warnings(), torch_threads(threads), PeakMemory() as mem:
                 warnings.simplefilter("ignore")
                 q, sl = annotate_task(task, seed, **(overrides or {}))
             row = orca_row(spec, task, seed, q, sl, time.perf_counter() - t0)
@@ -98,6 +100,7 @@ def orca_row(spec: TaskSpec, task, seed: int, q, rows: slice, seconds: float) ->
         "novel_true": len(task.novel),
         "novel_est": uns["n_novel"]["estimated"],
         "threshold": uns["estimate"].get("threshold"),
+        "pca_input": uns["estimate"].get("integration", {}).get("pca_input", ""),
         **_size_check_columns(uns["estimate"].get("size_check")),
         **score(task.truth, pred, task.seen, True),
         "seconds": seconds,

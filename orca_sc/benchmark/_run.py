@@ -8,7 +8,8 @@ import platform
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,26 @@ def _rss_bytes() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """The intra-op threads of torch set to ``n`` for the block, then restored.
+
+    scanpy's numba kernels (``sc.pp.normalize_total`` and others) set the process's OpenMP
+    thread count, which torch shares, to the number of CPUs the first time they run (with
+    ``OMP_NUM_THREADS=1``: 1 -> 2 on 2 cores). A benchmark runs them between tasks, so without
+    this a task's figures would depend on what ran before it in the process (a suite run and a
+    ``--only`` rerun of the same task and seed gave thresholds 0.457195 and 0.457213).
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class PeakMemory:
@@ -124,6 +145,7 @@ def run_benchmark(
     if unknown:
         msg = f"unknown methods {unknown}; available: {list(METHODS)}"
         raise ValueError(msg)
+    threads = torch.get_num_threads()  # every run at the count the benchmark started with
     _warm_up()
     rows, unavailable = [], {}
     abl = list(ablation_seeds) if ablation_seeds is not None else list(seeds)
@@ -155,7 +177,7 @@ def run_benchmark(
                     "novel_true": len(task.novel),
                 }
                 try:
-                    with PeakMemory() as mem:
+                    with torch_threads(threads), PeakMemory() as mem:
                         pred = m.run(task, seed)
                     if isinstance(pred, tuple):  # (labels, extra columns), e.g. ORCA's estimate
                         pred, extra = pred
@@ -191,7 +213,7 @@ def run_benchmark(
             "ablation_seeds": abl,
             "methods": methods,
             "tasks": [t.name for t in tasks],
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": threads,
             "cpu": platform.processor() or platform.machine(),
             "n_cpus": os.cpu_count(),
             "version": __version__,
