@@ -538,3 +538,35 @@ def test_set_values_parse_as_the_options_expect():
     assert type(got["cross_fit_threshold"]) is bool
     with pytest.raises(ValueError, match="key=value"):
         config_overrides(["epochs"])
+
+
+def test_suite_runs_are_pinned_to_the_thread_count_it_started_with(monkeypatch):
+    """Scanpy's numba kernels (which the suite's integration figures run after each task) set the
+    OpenMP thread count that torch shares to the number of CPUs; every run of the suite is
+    pinned to the count the suite started with, and the caller's count is restored after.
+    """
+    import torch
+
+    from orca_sc.benchmark import _devsuite
+    from orca_sc.benchmark._suite import SimSetting, make_sim_task
+    from orca_sc.benchmark._tasks import TaskSpec
+
+    seen, real = [], _devsuite.annotate_task
+
+    def recording(task, seed, **config):
+        seen.append(torch.get_num_threads())
+        torch.set_num_threads(2)  # as a scanpy call inside a run would
+        return real(task, seed, **config)
+
+    monkeypatch.setattr(_devsuite, "annotate_task", recording)
+    setting = SimSetting("threads", n_ref=300, n_query=150, n_genes=200)
+    spec = TaskSpec("sim_threads", "cross-batch", lambda s: make_sim_task(setting, s), "")
+    fast = {"epochs": 2, "warmup_epochs": 1, "min_steps": 20, "novelty_folds": 0}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        runs = B.run_orca_suite([spec], [0, 1], fast, progress=False)
+        assert seen == [1, 1] and len(runs) == 2
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

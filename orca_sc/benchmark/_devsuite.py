@@ -23,7 +23,7 @@ import pandas as pd
 
 from ._integration import integration_figures
 from ._methods import annotate_task, confidence_figures, novelty_test_shares
-from ._run import PeakMemory, score, torch_threads
+from ._run import PeakMemory, pin_threads, score
 from ._scaling import training_columns
 from ._tasks import TaskSpec
 
@@ -71,7 +71,8 @@ def run_orca_suite(
         for seed in seeds:
             task = spec.make(seed if task_seed is None else task_seed)
             t0 = time.perf_counter()
-            with warnings.catch_warnings(), torch_threads(threads), PeakMemory() as mem:
+            pin_threads(threads)
+            with warnings.catch_warnings(), PeakMemory() as mem:
                 warnings.simplefilter("ignore")
                 q, sl = annotate_task(task, seed, **(overrides or {}))
             row = orca_row(spec, task, seed, q, sl, time.perf_counter() - t0)
@@ -83,6 +84,7 @@ def run_orca_suite(
                     " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in
                              row.items() if k not in ("kind", "method", "error"))
                 )  # fmt: skip
+    pin_threads(threads)  # the caller's count back
     return pd.DataFrame(rows)
 
 

@@ -8,8 +8,7 @@ import platform
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +35,8 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """The intra-op threads of torch set to ``n`` for the block, then restored.
+def pin_threads(n: int) -> None:
+    """Set torch's intra-op threads to ``n`` before each run of a benchmark.
 
     scanpy's numba kernels (``sc.pp.normalize_total`` and others) set the process's OpenMP
     thread count, which torch shares, to the number of CPUs the first time they run (with
@@ -48,12 +46,7 @@ def torch_threads(n: int) -> Iterator[None]:
     """
     import torch
 
-    before = torch.get_num_threads()
     torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class PeakMemory:
@@ -177,7 +170,8 @@ def run_benchmark(
                     "novel_true": len(task.novel),
                 }
                 try:
-                    with torch_threads(threads), PeakMemory() as mem:
+                    pin_threads(threads)
+                    with PeakMemory() as mem:
                         pred = m.run(task, seed)
                     if isinstance(pred, tuple):  # (labels, extra columns), e.g. ORCA's estimate
                         pred, extra = pred
@@ -203,6 +197,7 @@ def run_benchmark(
                         + f" ({row.get('seconds', np.nan):.1f} s)"
                     )
                     logger.info(msg)
+    pin_threads(threads)  # the caller's count back
     runs = pd.DataFrame(rows)
     return BenchmarkResult(
         runs,
