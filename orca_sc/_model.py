@@ -219,7 +219,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
     pairs, same = [], []
     threshold = fit.config.discovery.merge_threshold
     if threshold is not None and n_novel > 0:
-        # the batches' background and the clusters' means, computed once for both matches
+        # the batches' background, the clusters' and the known types' means: one pass over X
         clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
         background, (means, n_in), known = naming_means(
             data.X, data.labels, data.domain, clusters, n_novel, n_seen

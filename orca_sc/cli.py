@@ -793,13 +793,12 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
             raise CliError("--set and --task-seed apply to ORCA alone: add --method ORCA.")
         if orca_alone:
             overrides = _overrides(set_pairs)
-            threads = torch_threads()  # what every run is pinned to (run_orca_suite)
             runs = B.run_orca_suite(
                 specs, seed_list, overrides, task_seed=task_seed, progress=not quiet
             )
             result = B.BenchmarkResult(runs, B.summarize_runs(runs))
             result.settings = {"version": orca_sc_version(), "seeds": seed_list,
-                               "torch_threads": threads, "overrides": overrides,
+                               "torch_threads": torch_threads(), "overrides": overrides,
                                "task_seed": task_seed}  # fmt: skip
         else:
             abl_list = _csv_list(ablation_seeds, int) or seed_list
