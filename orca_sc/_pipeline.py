@@ -38,6 +38,7 @@ from ._discover import (
     size_check,
     subsample_rows,
 )
+from ._discover.compute import kneighbors, on_device
 from ._dist import Comm, init_from_env, rank_device
 from ._engine import stage
 from ._integrate import integrated_space
@@ -86,7 +87,6 @@ def choose_pca_input(run: RunContext, residuals: PearsonResiduals) -> dict[str, 
     Returns the record (both accuracies, the discordant counts, the p-value).
     """
     from scipy.stats import binom
-    from sklearn.neighbors import NearestNeighbors
 
     d, dc, seed = run.data, run.config.discovery, run.config.seed
     lab = np.flatnonzero(d.labels >= 0)
@@ -101,8 +101,7 @@ def choose_pca_input(run: RunContext, residuals: PearsonResiduals) -> dict[str, 
     for res in (None, residuals):
         z = pca_embedding(d.X, d.domain, t.scale, t.offset, n_comps=dc.n_pcs, seed=seed,
                           rows=lab, residuals=res)  # fmt: skip
-        idx = NearestNeighbors(n_neighbors=dc.n_neighbors + 1).fit(z)
-        nb = y[idx.kneighbors(return_distance=False)[:, 1:]]
+        nb = y[kneighbors(z, dc.n_neighbors + 1)[:, 1:]]
         votes = np.stack([(nb == k).sum(axis=1) for k in range(int(y.max()) + 1)], axis=1)
         right.append(votes.argmax(axis=1) == y)
     log_only, res_only = int((right[0] & ~right[1]).sum()), int((right[1] & ~right[0]).sum())
@@ -334,6 +333,12 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     together (:mod:`orca_sc._dist`); every rank returns the same result.
     """
     run = run_context(adata, reference, labels_key, cfg)
+    with on_device(run.cells.device):  # on a GPU, discovery's PCAs and neighbour searches too
+        return _fit(run)
+
+
+def _fit(run: RunContext) -> Fit:
+    """:func:`fit`'s stages on the prepared, aligned data."""
     t0 = time.perf_counter()
     with stage("warm-up"):
         warm = warm_up(run)

@@ -589,3 +589,57 @@ def test_self_check_reports_in_uns_and_leaves_the_annotation_alone(monkeypatch, 
     back = ad.read_h5ad(tmp_path / "q.h5ad").uns["orca"]["self_check"]
     assert list(back["hidden_types"]) == check["hidden_types"]
     assert float(back["known_called_novel"]) == check["known_called_novel"]
+
+
+def test_discovery_on_a_device_finds_the_neighbours_and_components_of_the_cpu_path():
+    """The torch path of discovery's arithmetic (a GPU run's; forced here on the CPU) gives
+    scikit-learn's exact neighbours, and a PCA whose leading components are the CPU PCA's (up to
+    sign), for the log values and the Pearson residuals; it is used only inside ``on_device``.
+    """
+    from orca_sc._discover import PearsonResiduals, compute
+
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(1500, 12)).astype(np.float32)
+    cpu = compute.kneighbors(emb, 15)
+    with compute.on_device(torch.device("cpu"), force=True):
+        assert compute.device() is not None
+        dev, dev_q = compute.kneighbors(emb, 15), compute.kneighbors(emb, 16, emb[:300])
+    assert compute.device() is None
+    np.testing.assert_array_equal(dev, cpu)
+    np.testing.assert_array_equal(dev_q, compute.kneighbors(emb, 16, emb[:300]))
+    assert (dev != np.arange(emb.shape[0])[:, None]).all()  # no cell is its own neighbour
+    with compute.on_device(torch.device("cpu")):  # not a GPU, not forced: the CPU path
+        assert compute.device() is None
+
+    a = orca_sc.datasets.simulate(2000, 400, 6, library_size=800, seed=2)
+    totals = np.asarray(a.X.sum(axis=1)).ravel()
+    X = sp.csr_matrix(a.X, dtype=np.float32)
+    X = X.multiply(1e4 / totals[:, None]).tocsr()
+    X.data = np.log1p(X.data).astype(np.float32)
+    dom = (np.arange(X.shape[0]) % 2).astype(np.int64)
+    scale = np.ones((2, 400), np.float32)
+    offset = rng.normal(scale=0.1, size=(2, 400)).astype(np.float32)
+    rows = np.arange(0, 2000, 2)
+    for res in (None, PearsonResiduals.fit(X, dom, totals, 1e4)):
+        ref = pca_embedding(X, dom, scale, offset, n_comps=8, rows=rows, residuals=res)
+        with compute.on_device(torch.device("cpu"), force=True):
+            got = pca_embedding(X, dom, scale, offset, n_comps=8, rows=rows, residuals=res)
+        assert got.shape == ref.shape == (rows.size, 8) and got.dtype == np.float32
+        corr = [abs(np.corrcoef(ref[:, i], got[:, i])[0, 1]) for i in range(4)]
+        assert min(corr) > 0.999, corr
+
+
+def test_a_run_with_discovery_on_a_device_finds_the_novel_types(small_sim):
+    """A whole run with discovery's arithmetic on the torch path (forced on the CPU, as on a
+    GPU) finds both novel types of the small simulation, as the CPU path does.
+    """
+    from orca_sc._discover import compute
+
+    with compute.on_device(torch.device("cpu"), force=True):
+        orca_sc.tl.annotate(small_sim, labels_key="lab", **FAST)
+    truth = small_sim.obs["cell_type"].astype(str)
+    novel = small_sim.obs["orca_novel"]
+    for t in ("type_3", "type_4"):
+        assert novel[truth == t].notna().mean() > 0.9
+    assert novel[truth.isin(["type_0", "type_1", "type_2"])].notna().mean() < 0.05
+    assert novel.dropna().nunique() == 2

@@ -12,6 +12,7 @@ import scipy.sparse as sp
 
 from .._align import aligned_rows
 from .._config import DiscoveryConfig
+from . import compute
 
 _DEFAULTS = DiscoveryConfig()
 _CHUNK = 8192
@@ -65,10 +66,18 @@ class PearsonResiduals:
 
     def rows(self, X: sp.csr_matrix, domain: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The residuals of the cells ``rows``, dense (one chunk at a time)."""
-        c = _counts(X, rows, self.factor).toarray()
-        mu = self.depth[rows, None] * self.share[domain[rows]]
-        sd = np.sqrt(mu + mu * mu / RESIDUAL_THETA)
-        r = np.divide(c - mu, sd, out=np.zeros_like(mu), where=sd > 0)
+        # float64 and in place, each step in the order of (c - mu) / sqrt(mu + mu * mu / theta)
+        r = _counts(X, rows, self.factor).toarray()
+        mu = self.share[domain[rows]]
+        mu *= self.depth[rows, None]
+        sd = mu * mu
+        sd /= RESIDUAL_THETA
+        sd += mu
+        np.sqrt(sd, out=sd)
+        r -= mu
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r /= sd
+        r[sd == 0] = 0.0  # mu = 0: a gene without counts in the cell's batch
         return np.clip(r, -self.clip, self.clip, out=r).astype(np.float32)
 
 
@@ -105,6 +114,8 @@ def pca_embedding(
     rng = np.random.default_rng(seed)
     fit_rows = rows if rows.size <= _CHUNK else rng.choice(rows, _CHUNK, replace=False)
     n_comps = int(min(n_comps, fit_rows.size - 1, X.shape[1] - 1))
+    if compute.device() is not None:
+        return _pca_torch(X, domain, scale, offset, rows, fit_rows, n_comps, residuals)
     pca = PCA(n_components=n_comps, random_state=seed)
     pca.fit(dense(fit_rows))
     out = np.empty((rows.size, n_comps), dtype=np.float32)
@@ -114,18 +125,61 @@ def pca_embedding(
     return out
 
 
+def _pca_torch(X, domain, scale, offset, rows, fit_rows, n_comps, residuals) -> np.ndarray:
+    """:func:`pca_embedding` on the device of :mod:`.compute`: the dense rows built there from
+    the sparse ones, the components the top eigenvectors of their float64 covariance.
+    """
+    import torch
+
+    dev = compute.device()
+    with torch.no_grad():
+        if residuals is None:
+            scale_t = torch.as_tensor(scale, dtype=torch.float32, device=dev)
+            offset_t = torch.as_tensor(offset, dtype=torch.float32, device=dev)
+        else:
+            share_t = torch.as_tensor(residuals.share, dtype=torch.float32, device=dev)
+            depth_t = torch.as_tensor(residuals.depth, dtype=torch.float32, device=dev)
+
+        def dense(r: np.ndarray) -> torch.Tensor:
+            m = X[r] if residuals is None else _counts(X, r, residuals.factor)
+            m = sp.csr_matrix(m)
+            at = (np.repeat(np.arange(m.shape[0]), np.diff(m.indptr)), m.indices)
+            z = torch.zeros(m.shape, dtype=torch.float32, device=dev)
+            z[tuple(torch.as_tensor(a, dtype=torch.int64, device=dev) for a in at)] = (
+                torch.as_tensor(m.data, dtype=torch.float32, device=dev)
+            )
+            d = torch.as_tensor(domain[r], device=dev)
+            if residuals is None:
+                return z * scale_t[d] + offset_t[d]
+            mu = depth_t[torch.as_tensor(r, device=dev), None] * share_t[d]
+            sd = torch.sqrt(mu + mu * mu / RESIDUAL_THETA)
+            z = torch.where(sd > 0, (z - mu) / sd.clamp_min(1e-30), 0.0)
+            return z.clamp_(-residuals.clip, residuals.clip)
+
+        fit = dense(np.asarray(fit_rows)).double()
+        mean = fit.mean(dim=0)
+        fit -= mean
+        _, vecs = torch.linalg.eigh(fit.T @ fit)
+        comps = vecs[:, -n_comps:].flip(1).float()  # largest variance first
+        mean32 = mean.float()
+        del fit
+        out = np.empty((rows.size, n_comps), dtype=np.float32)
+        step = 4 * _CHUNK
+        for start in range(0, rows.size, step):
+            r = rows[start : start + step]
+            out[start : start + r.size] = ((dense(r) - mean32) @ comps).cpu().numpy()
+        return out
+
+
 def knn_graph(emb: np.ndarray, n_neighbors: int = _DEFAULTS.n_neighbors) -> sp.csr_matrix:
     """Symmetric, unweighted kNN graph (exact neighbours, Euclidean) as a CSR adjacency matrix.
 
     Built with scikit-learn rather than ``sc.pp.neighbors``, whose approximate path (used from
     4,096 cells on) breaks with recent scipy and spends ~25 s compiling numba code.
     """
-    from sklearn.neighbors import NearestNeighbors
-
     n = emb.shape[0]
     k = min(n_neighbors, n - 1)
-    # kneighbors() without X excludes each point itself
-    idx = NearestNeighbors(n_neighbors=k).fit(emb).kneighbors(return_distance=False)
+    idx = compute.kneighbors(emb, k)  # each point itself excluded
     rows = np.repeat(np.arange(n), k)
     A = sp.csr_matrix((np.ones(rows.size, dtype=np.float32), (rows, idx.ravel())), shape=(n, n))
     A = A.maximum(A.T).tocsr()

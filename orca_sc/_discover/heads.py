@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._config import DiscoveryConfig
+from .compute import kneighbors
 
 _DEFAULTS = DiscoveryConfig()
 
@@ -30,14 +31,11 @@ def cluster_cores(
     (their neighbours are mostly cells of their own, non-candidate type) is not coherent: when
     less than ``min_core`` of its cells are core, none of them is kept. Returns a boolean mask.
     """
-    from sklearn.neighbors import NearestNeighbors
-
     core = np.zeros(assign.shape[0], dtype=bool)
     cand = np.flatnonzero(assign >= 0)
     if cand.size == 0 or assign.shape[0] <= n_neighbors:
         return core
-    nn = NearestNeighbors(n_neighbors=n_neighbors + 1).fit(feats)
-    idx = nn.kneighbors(feats[cand], return_distance=False)[:, 1:]  # drop the cell itself
+    idx = kneighbors(feats, n_neighbors + 1, feats[cand])[:, 1:]  # drop the cell itself
     agree = (assign[idx] == assign[cand, None]).mean(axis=1)
     core[cand] = agree >= min_agree
     n = np.bincount(assign[cand])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._config import DiscoveryConfig
+from .compute import kneighbors
 
 _DEFAULTS = DiscoveryConfig()
 
@@ -29,16 +30,13 @@ def labelled_neighbours(
     (``pca_of(idx)``). Returns ``(fraction, tested)``; cells of batches without labels are not
     tested (fraction 0).
     """
-    from sklearn.neighbors import NearestNeighbors
-
     frac = np.zeros(labeled.shape[0])
     tested = np.zeros(labeled.shape[0], dtype=bool)
     for d in np.unique(domain[labeled]):  # loop over batches, not cells
         idx = np.flatnonzero(domain == d)
         if idx.size <= n_neighbors:
             continue
-        nn = NearestNeighbors(n_neighbors=n_neighbors).fit(pca_of(idx))
-        frac[idx] = labeled[idx][nn.kneighbors(return_distance=False)].mean(axis=1)
+        frac[idx] = labeled[idx][kneighbors(pca_of(idx), n_neighbors)].mean(axis=1)
         tested[idx] = True
     return frac, tested
 
