@@ -410,7 +410,7 @@ def read_selected(
     def first_pass() -> None:
         for i, inp in enumerate(inputs):
             for pos, m in rows_of(i):
-                sub = m[:, inp.cols]
+                sub = _columns(m, inp.cols)
                 stats.add(sub, domain[pos])
                 if count:
                     stored[:] += np.bincount(sub.indices, minlength=n_shared)
@@ -432,7 +432,7 @@ def read_selected(
     def selected(i: int):  # the second pass: input i's selected genes, chunk by chunk
         cols = inputs[i].cols[hv]
         for _, m in rows_of(i):
-            yield m[:, cols]
+            yield _columns(m, cols)
 
     scales = {inp.what: r.scale for inp, r in zip(inputs, readers, strict=True)}
     if multi:  # every rank gets each input's whole selected matrix, in row order
@@ -449,6 +449,13 @@ def read_selected(
     chunks = (b for i in range(len(inputs)) for b in selected(i))
     X = fill_csr(chunks, int(stats.n.sum()), hv.size, int(stored[hv].sum()), scratch=streamed)
     return X, hv, scales, totals
+
+
+def _columns(m: sp.csr_matrix, cols: np.ndarray) -> sp.csr_matrix:
+    """``m[:, cols]``; ``m`` itself where ``cols`` are all its columns in order (no copy)."""
+    if cols.size == m.shape[1] and bool((cols == np.arange(cols.size)).all()):
+        return m
+    return m[:, cols]
 
 
 def _readers(inputs: list[_Input], config: OrcaConfig, comm: Any) -> tuple[list, list]:

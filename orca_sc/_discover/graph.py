@@ -150,10 +150,11 @@ def _pca_torch(X, domain, scale, offset, rows, fit_rows, n_comps, residuals) -> 
             )
             d = torch.as_tensor(domain[r], device=dev)
             if residuals is None:
-                return z * scale_t[d] + offset_t[d]
-            mu = depth_t[torch.as_tensor(r, device=dev), None] * share_t[d]
-            sd = torch.sqrt(mu + mu * mu / RESIDUAL_THETA)
-            z = torch.where(sd > 0, (z - mu) / sd.clamp_min(1e-30), 0.0)
+                return z.mul_(scale_t[d]).add_(offset_t[d])
+            # in place: two dense temporaries (mu, sd) beside the rows
+            mu = share_t[d].mul_(depth_t[torch.as_tensor(r, device=dev), None])
+            sd = (mu * mu).div_(RESIDUAL_THETA).add_(mu).sqrt_()
+            z.sub_(mu).div_(sd).masked_fill_(sd == 0, 0.0)  # mu = 0: no counts in the batch
             return z.clamp_(-residuals.clip, residuals.clip)
 
         fit = dense(np.asarray(fit_rows)).double()
