@@ -1,7 +1,8 @@
 """The ``discover`` stage: candidate novel clusters, the number of novel types, and which novel
 clusters are known types after all. Every rule that decides these lives in this package, one
 module per test, and every knob is a field of :class:`orca_sc.DiscoveryConfig`. Arrays in, a
-frozen :class:`Discovery` out: no AnnData, no torch.
+frozen :class:`Discovery` out: no AnnData, and torch only where a GPU run computes its PCAs and
+neighbours on the device (:mod:`.compute`).
 
 After the supervised warm-up, :func:`discover` takes each cell's embedding and cosine to the seen
 heads and finds the candidates:
@@ -23,8 +24,8 @@ lack labels. :mod:`.self_check` hides known types to see how the rules do; :mod:
 repeats discovery on a sample of large data and says where the call depends on the number of
 cells.
 
-Leiden runs directly on igraph (exact kNN graph from scikit-learn), on at most
-``DiscoveryConfig.max_cells`` cells.
+Leiden runs directly on igraph (exact kNN graph from scikit-learn, or from torch on a GPU run),
+on at most ``DiscoveryConfig.max_cells`` cells.
 """
 
 from __future__ import annotations
