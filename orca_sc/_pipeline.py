@@ -101,7 +101,7 @@ def choose_pca_input(run: RunContext, residuals: PearsonResiduals) -> dict[str, 
     for res in (None, residuals):
         z = pca_embedding(d.X, d.domain, t.scale, t.offset, n_comps=dc.n_pcs, seed=seed,
                           rows=lab, residuals=res)  # fmt: skip
-        nb = y[kneighbors(z, dc.n_neighbors + 1)[:, 1:]]
+        nb = y[kneighbors(z, dc.n_neighbors)]  # each cell itself left out
         votes = np.stack([(nb == k).sum(axis=1) for k in range(int(y.max()) + 1)], axis=1)
         right.append(votes.argmax(axis=1) == y)
     log_only, res_only = int((right[0] & ~right[1]).sum()), int((right[1] & ~right[0]).sum())

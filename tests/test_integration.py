@@ -191,3 +191,30 @@ def test_cli_pca_input_pearson_is_what_discovery_reads(small_sim, tmp_path):
     orca_sc.tl.annotate(logged, labels_key="lab", pca_input="pearson", **FAST)
     space = logged.uns["orca"]["estimate"]["integration"]
     assert space["pca_input"] == "log" and space["reason"] == "not every input held counts"
+
+
+def test_the_pca_input_test_names_each_labelled_cell_by_its_nearest_labelled_cells():
+    """``pca_input="auto"``'s accuracies are those of each labelled cell's majority type among
+    its ``n_neighbors`` nearest labelled cells (itself left out) in each PCA, as documented
+    (types close enough that some cells are named wrong, so that the neighbours matter).
+    """
+    from conftest import open_world
+    from sklearn.neighbors import NearestNeighbors
+
+    from orca_sc._discover import pca_embedding
+    from orca_sc._pipeline import choose_pca_input, run_context
+
+    a = orca_sc.datasets.simulate(600, 300, 5, markers_per_type=30, marker_fold=1.5, seed=3)
+    a = open_world(a, ["type_0", "type_1", "type_2"])
+    run = run_context(a, None, "lab", orca_sc.OrcaConfig(**FAST))
+    record = choose_pca_input(run, run.residuals_fit())
+    d, t, k = run.data, run.transform, run.config.discovery.n_neighbors
+    lab = np.flatnonzero(d.labels >= 0)
+    y = d.labels[lab]
+    for res, key in ((None, "knn_accuracy_log"), (run.residuals_fit(), "knn_accuracy_pearson")):
+        z = pca_embedding(d.X, d.domain, t.scale, t.offset, n_comps=run.config.discovery.n_pcs,
+                          seed=run.config.seed, rows=lab, residuals=res)  # fmt: skip
+        nb = y[NearestNeighbors(n_neighbors=k).fit(z).kneighbors(return_distance=False)]
+        votes = np.stack([(nb == c).sum(axis=1) for c in range(int(y.max()) + 1)], axis=1)
+        assert record[key] == pytest.approx(float((votes.argmax(axis=1) == y).mean()))
+    assert record["knn_accuracy_log"] < 0.9 and record["n_cells"] == lab.size
