@@ -179,13 +179,25 @@ class MemoryReader:
         """``(start, stop, chunk)``, as :meth:`ChunkReader.__iter__`."""
         for start in range(0, self.n_obs, CHUNK_CELLS):
             stop = min(self.n_obs, start + CHUNK_CELLS)
-            m = self.X[start:stop]
             self.last_totals = None
-            if self.scale == "counts":
+            if self.scale == "counts":  # normalised into a copy: the rows are read in place
+                m = _row_view(self.X, start, stop)
                 totals = np.asarray(m.sum(axis=1)).ravel()  # in the matrix's own dtype
                 self.last_totals = totals.astype(np.float64)
                 m = log_normalize(m, self.target_sum, warn=False, totals=totals)
+            else:  # a copy: later steps sort its indices in place
+                m = self.X[start:stop]
             yield start, stop, m
+
+
+def _row_view(X: sp.csr_matrix, start: int, stop: int) -> sp.csr_matrix:
+    """The rows ``start:stop`` of ``X`` as a CSR matrix over ``X``'s own arrays (no copy, and
+    no format check, which copies; not to be modified).
+    """
+    lo, hi = X.indptr[start], X.indptr[stop]
+    m = sp.csr_matrix((stop - start, X.shape[1]), dtype=X.dtype)
+    m.data, m.indices, m.indptr = X.data[lo:hi], X.indices[lo:hi], X.indptr[start : stop + 1] - lo
+    return m
 
 
 def open_matrix(
