@@ -14,6 +14,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from ._errors import OrcaInputError
+from ._store import csr_over
 
 
 def get_matrix(adata: Any, layer: str | None, what: str) -> sp.csr_matrix:
@@ -191,13 +192,11 @@ class MemoryReader:
 
 
 def _row_view(X: sp.csr_matrix, start: int, stop: int) -> sp.csr_matrix:
-    """The rows ``start:stop`` of ``X`` as a CSR matrix over ``X``'s own arrays (no copy, and
-    no format check, which copies; not to be modified).
+    """The rows ``start:stop`` of the canonical float32 ``X`` as a CSR matrix over ``X``'s own
+    arrays (:func:`orca_sc._store.csr_over`: no copy, no format check; not to be modified).
     """
     lo, hi = X.indptr[start], X.indptr[stop]
-    m = sp.csr_matrix((stop - start, X.shape[1]), dtype=X.dtype)
-    m.data, m.indices, m.indptr = X.data[lo:hi], X.indices[lo:hi], X.indptr[start : stop + 1] - lo
-    return m
+    return csr_over(X.data[lo:hi], X.indices[lo:hi], X.indptr[start : stop + 1] - lo, X.shape[1])
 
 
 def open_matrix(
