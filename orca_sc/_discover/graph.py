@@ -141,8 +141,7 @@ def _pca_torch(X, domain, scale, offset, rows, fit_rows, n_comps, residuals) -> 
             depth_t = torch.as_tensor(residuals.depth, dtype=torch.float32, device=dev)
 
         def dense(r: np.ndarray) -> torch.Tensor:
-            m = X[r] if residuals is None else _counts(X, r, residuals.factor)
-            m = sp.csr_matrix(m)
+            m = X[r] if residuals is None else _counts(X, r, residuals.factor)  # CSR
             at = (np.repeat(np.arange(m.shape[0]), np.diff(m.indptr)), m.indices)
             z = torch.zeros(m.shape, dtype=torch.float32, device=dev)
             z[tuple(torch.as_tensor(a, dtype=torch.int64, device=dev) for a in at)] = (
