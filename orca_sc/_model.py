@@ -216,7 +216,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
     n_seen, n_novel = len(classes), fit.found.n_heads
     unl = ~data.labeled
     counts = np.bincount(head[unl], minlength=n_seen + n_novel)[n_seen:]
-    pairs, same = [], []
+    pairs, same, tested = [], [], []
     threshold = fit.config.discovery.merge_threshold
     if threshold is not None and n_novel > 0:
         # the batches' background, the clusters' and the known types' means: one pass over X
@@ -224,9 +224,11 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         background, (means, n_in), known = naming_means(
             data.X, data.labels, data.domain, clusters, n_novel, n_seen
         )
+        kept = np.where(unl & (head < n_seen), head, -1)  # the query cells of known heads
         pairs = match_known_types(
             data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold,
-            background=background, cluster_means=(means, n_in), known_means=known,
+            background=background, cluster_means=(means, n_in), known_means=known, kept=kept,
+            alpha=fit.config.discovery.novelty_alpha, seed=fit.config.seed, tested=tested,
         )  # fmt: skip
     if threshold is not None and n_novel > 1:  # one novel type found in several batches
         into_known = [h for h, _, _ in pairs]
@@ -238,11 +240,26 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
             background=background, cluster_means=(means, n_in),
         )  # fmt: skip
     head_names, order = name_heads(counts, classes, pairs, same)
+    for (h, k, _), t in zip(pairs, tested, strict=True):
+        if t["set_apart"] and counts[h] > 0:
+            logger.warning(
+                "A novel cluster of %d cells was reported as %s (its marker signature matches "
+                "the type's), but matches %s less well than the %d query cells %s's head kept "
+                "in its batch (permutation p = %.3f): it may be a novel type beside %s, or a "
+                "part of %s that looks unlike it (uns['orca']['merged_into_known']).",
+                int(counts[h]), classes[k], classes[k], t["n_kept"], classes[k], t["p_value"],
+                classes[k], classes[k],
+            )  # fmt: skip
     merged = {
         "cluster": [f"head_{h}" for h, _, _ in pairs],
         "type": [classes[k] for _, k, _ in pairs],
         "n_cells": [int(counts[h]) for h, _, _ in pairs],
         "correlation": [round(r, 4) for _, _, r in pairs],
+        # the type's own query cells in the cluster's batch, and whether the cluster matches
+        # the type less well than they do (a novel sibling, or a part the fit split off)
+        "n_type_cells": [t["n_kept"] for t in tested],
+        "p_beside": [round(t["p_value"], 4) for t in tested],
+        "beside": [t["set_apart"] for t in tested],
     }
     return head_names, Naming(merged, order, {
         "cluster": [f"head_{a}" for a, _, _ in same],

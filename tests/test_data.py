@@ -651,3 +651,43 @@ def test_auto_pca_input_takes_the_residuals_only_where_the_labelled_cells_say_th
     assert rec == {"pca_input": "log", "reason": "not every input held counts"}
     run = run_context(a, None, "lab", cfg.replace(pca_input="log"))
     assert run.pca_input == "log" and run.residuals() is None and not run._residuals
+
+
+def test_a_merged_novel_sibling_is_flagged_beside_its_known_type():
+    """A novel subtype of a known type correlates with the type's signature like the type
+    itself and is merged into it; where the type's head kept query cells of its own, the
+    permutation test flags the cluster as matching the type less well than they do, while a
+    random part of the type's query cells is not flagged. The test decides nothing.
+    """
+    from orca_sc._discover import match_known_types
+    from orca_sc.datasets import simulate
+
+    a = simulate(3000, 600, 4, n_batches=2, subtype_of={3: 0}, imbalance=1.0, seed=4)
+    t = a.obs["cell_type"].astype(str).to_numpy()
+    b = a.obs["batch"].astype(str).to_numpy()
+    ref = (b == "batch_0") & (t != "type_3")
+    qry = b == "batch_1"
+    X = sp.vstack([a.X[ref], a.X[qry]]).tocsr()
+    X.data = np.log1p(X.data)
+    classes = ["type_0", "type_1", "type_2"]
+    labels = np.r_[[classes.index(c) for c in t[ref]], [-1] * qry.sum()]
+    domain = np.r_[np.zeros(ref.sum()), np.ones(qry.sum())].astype(np.int64)
+    tq = np.r_[[""] * ref.sum(), t[qry]]
+    sibling = np.where(tq == "type_3", 0, -1)  # the novel subtype's cluster
+    kept = np.where(tq == "type_0", 0, -1)  # its parent's query cells, kept by the parent's head
+    # without the kept cells the subtype is merged into its parent: their signatures match
+    alone = match_known_types(X, labels, domain, sibling, 1, 3, 0.5)
+    assert [(j, k) for j, k, _ in alone] == [(0, 0)]
+    tested = []
+    beside = match_known_types(X, labels, domain, sibling, 1, 3, 0.5, kept=kept, tested=tested)
+    assert beside == alone and tested[0]["set_apart"] and tested[0]["p_value"] <= 0.05
+    assert tested[0]["n_kept"] == (tq == "type_0").sum()
+    # a random part of the parent's own query cells is the parent: merged
+    rng = np.random.default_rng(0)
+    part = (tq == "type_0") & (rng.random(tq.size) < 0.6)
+    cut = np.where(part, 0, -1)
+    rest = np.where((tq == "type_0") & ~part, 0, -1)
+    tested = []
+    merged = match_known_types(X, labels, domain, cut, 1, 3, 0.5, kept=rest, tested=tested)
+    assert [(j, k) for j, k, _ in merged] == [(0, 0)] and not tested[0]["set_apart"]
+    assert tested[0]["p_value"] > 0.05

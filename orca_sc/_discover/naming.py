@@ -60,6 +60,70 @@ def _signatures(means, counts, background):
     return sig, main, counts
 
 
+#: random subsets drawn by :func:`set_apart_from_kept_cells`'s permutation test
+MERGE_PERMUTATIONS = 199
+#: at most this many cells of a cluster, and of a type's kept query cells, enter that test
+MERGE_TEST_CELLS = 2000
+
+
+def set_apart_from_kept_cells(
+    X: sp.csr_matrix,
+    cluster_cells: np.ndarray,
+    kept_cells: np.ndarray,
+    type_signature: np.ndarray,
+    background: np.ndarray,
+    alpha: float,
+    seed: int,
+) -> tuple[bool, float]:
+    """Whether a novel cluster matches a known type's signature less well than the query cells
+    the type's head kept in the cluster's batch do: a permutation test.
+
+    ``cluster_cells`` and ``kept_cells`` (rows of ``X``, one batch; at most
+    :data:`MERGE_TEST_CELLS` of each, drawn at random, enter), ``type_signature`` the type's
+    within-batch marker signature (:func:`_signatures`), ``background`` the batch's mean. The
+    statistic is the correlation of the cluster's signature with the type's minus that of the
+    kept cells' signature. Under the null the cluster and the kept cells are one population
+    split at random (a known type whose query cells the fit cut in two): the statistic is then
+    that of a random split of the pooled cells into groups of the same two sizes. The p-value
+    is the share of :data:`MERGE_PERMUTATIONS` such splits (and the observed one) whose
+    statistic is no higher (a smaller group's signature is noisier and correlates less; the
+    same sizes in every split account for that). The cluster is set apart when the p-value is
+    at most ``alpha`` *and* it matches the type less well than the kept cells outright. The fit
+    picked the cluster's cells for looking unlike the known types, so a random split is a
+    lenient null: a part of a known type that the fit split off is set apart as often as a
+    novel sibling is (development suite: the p-value was at its floor for both), which is why
+    :func:`match_known_types` only records the verdict. Returns ``(set apart, p-value)``.
+    """
+    rng = np.random.default_rng([seed, 0x3E26E])
+    if cluster_cells.size > MERGE_TEST_CELLS:
+        cluster_cells = np.sort(rng.choice(cluster_cells, MERGE_TEST_CELLS, replace=False))
+    if kept_cells.size > MERGE_TEST_CELLS:
+        kept_cells = np.sort(rng.choice(kept_cells, MERGE_TEST_CELLS, replace=False))
+    if kept_cells.size == 0 or cluster_cells.size == 0:
+        return False, 1.0
+    pool = np.concatenate([cluster_cells, kept_cells])
+    m, n = cluster_cells.size, pool.size
+    order = np.stack(
+        [np.arange(n)] + [rng.permutation(n) for _ in range(MERGE_PERMUTATIONS)]
+    )  # (B + 1, n): the observed split first
+    # one row of means per group of each split: (split 0, cluster), (split 0, kept), ...
+    weight = np.where(np.arange(n) < m, 1.0 / m, 1.0 / (n - m))  # by position in the split
+    group = 2 * np.arange(order.shape[0])[:, None] + (np.arange(n) >= m)[None, :]  # (B + 1, n)
+    pick = sp.csr_matrix(
+        (np.broadcast_to(weight, order.shape).ravel(), (group.ravel(), order.ravel())),
+        shape=(2 * order.shape[0], n),
+    )
+    sig = np.asarray((pick @ X[pool]).todense()) - background[None, :]
+    sig -= sig.mean(axis=1, keepdims=True)
+    sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
+    r = (sig @ type_signature).reshape(-1, 2)
+    stat = r[:, 0] - r[:, 1]  # the cluster's match minus the kept cells'
+    p = float((stat[1:] <= stat[0]).sum() + 1) / stat.size
+    # the fit chose the cluster's cells for looking unlike the type, so a random split is a
+    # lenient null; the cluster must also match the type worse than the kept cells outright
+    return bool(p <= alpha and stat[0] < 0), p
+
+
 def match_known_types(
     X: sp.csr_matrix,
     labels: np.ndarray,
@@ -72,6 +136,10 @@ def match_known_types(
     background: np.ndarray | None = None,
     cluster_means: tuple[np.ndarray, np.ndarray] | None = None,
     known_means: tuple[np.ndarray, np.ndarray] | None = None,
+    kept: np.ndarray | None = None,
+    alpha: float = _DEFAULTS.novelty_alpha,
+    seed: int = 0,
+    tested: list | None = None,
 ) -> list[tuple[int, int, float]]:
     """Novel clusters that are a known type seen in another batch.
 
@@ -87,6 +155,14 @@ def match_known_types(
     ``background`` (:func:`batch_background`), ``cluster_means`` (the clusters'
     :func:`group_domain_means`) and ``known_means`` (the labelled types'), where the caller has
     them (:func:`naming_means`), are not computed again.
+
+    ``kept`` (``(n_cells,)``: the known type whose head an unlabelled cell outside the
+    clusters is assigned to, ``-1`` elsewhere): each merge is also tested against the query
+    cells the type's head kept in the cluster's batch (:func:`set_apart_from_kept_cells` at
+    ``alpha``), and ``tested`` (a list) receives one record per merge: ``n_kept`` and the
+    ``p_value``, and ``set_apart`` where the cluster matches the type less well than they do
+    (a novel sibling of the type, or a part of the type that the fit chose for looking unlike
+    it: the test cannot tell these apart, so it decides nothing and the merge stands).
 
     Returns ``[(cluster, type, correlation), ...]`` for the merged clusters.
     """
@@ -104,10 +180,19 @@ def match_known_types(
     corr[known_counts[:, novel_main].T > 0] = -np.inf
     corr[novel_counts.sum(axis=1) == 0] = -np.inf
     merged = []
-    for j in range(n_clusters):
+    for j in range(n_clusters):  # loop over clusters, not cells
         k = int(np.argmax(corr[j]))
-        if corr[j, k] >= threshold:
-            merged.append((j, k, float(corr[j, k])))
+        if corr[j, k] < threshold:
+            continue
+        merged.append((j, k, float(corr[j, k])))
+        if kept is not None and tested is not None:
+            b = novel_main[j]
+            in_b, own = domain == b, kept == k
+            apart, p = set_apart_from_kept_cells(
+                X, np.flatnonzero((clusters == j) & in_b), np.flatnonzero(own & in_b),
+                known[k], background[b], alpha, seed + j,
+            )  # fmt: skip
+            tested.append({"n_kept": int((own & in_b).sum()), "p_value": p, "set_apart": apart})
     return merged
 
 
