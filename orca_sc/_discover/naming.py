@@ -106,14 +106,14 @@ def set_apart_from_kept_cells(
     order = np.stack(
         [np.arange(n)] + [rng.permutation(n) for _ in range(MERGE_PERMUTATIONS)]
     )  # (B + 1, n): the observed split first
-    # one row of means per group of each split: (split 0, cluster), (split 0, kept), ...
+    # one row of means per group of each split: (split 0, cluster), (split 0, kept), ...;
+    # the pooled rows (at most 2 x MERGE_TEST_CELLS) densified for one BLAS product
     weight = np.where(np.arange(n) < m, 1.0 / m, 1.0 / (n - m))  # by position in the split
-    group = 2 * np.arange(order.shape[0])[:, None] + (np.arange(n) >= m)[None, :]  # (B + 1, n)
-    pick = sp.csr_matrix(
-        (np.broadcast_to(weight, order.shape).ravel(), (group.ravel(), order.ravel())),
-        shape=(2 * order.shape[0], n),
-    )
-    sig = np.asarray((pick @ X[pool]).todense()) - background[None, :]
+    pick = np.zeros((order.shape[0], 2, n))
+    splits = np.arange(order.shape[0])[:, None]
+    pick[splits, (np.arange(n) >= m)[None, :].astype(np.int64), order] = weight[None, :]
+    rows = X[pool].toarray().astype(np.float64)
+    sig = pick.reshape(-1, n) @ rows - background[None, :]
     sig -= sig.mean(axis=1, keepdims=True)
     sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
     r = (sig @ type_signature).reshape(-1, 2)
