@@ -48,16 +48,22 @@ def naming_means(
     return background, (means[n_seen:rest], counts[n_seen:rest]), known
 
 
+def _centred_unit(sig: np.ndarray) -> np.ndarray:
+    """Rows of ``sig`` (mean minus background) centred and L2-normalised: a row's dot product
+    with another is then their Pearson correlation.
+    """
+    sig = sig - sig.mean(axis=1, keepdims=True)
+    sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
+    return sig
+
+
 def _signatures(means, counts, background):
     """Each group's within-batch marker signature (its mean in its main batch minus that batch's
-    ``background``, centred and L2-normalised), its main batch and its counts.
+    ``background``, :func:`_centred_unit`), its main batch and its counts.
     """
     n_groups = means.shape[0]
     main = counts.argmax(axis=1)  # each group's main batch
-    sig = means[np.arange(n_groups), main] - background[main]
-    sig = sig - sig.mean(axis=1, keepdims=True)
-    sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
-    return sig, main, counts
+    return _centred_unit(means[np.arange(n_groups), main] - background[main]), main, counts
 
 
 #: random subsets drawn by :func:`set_apart_from_kept_cells`'s permutation test
@@ -113,9 +119,7 @@ def set_apart_from_kept_cells(
     splits = np.arange(order.shape[0])[:, None]
     pick[splits, (np.arange(n) >= m)[None, :].astype(np.int64), order] = weight[None, :]
     rows = X[pool].toarray().astype(np.float64)
-    sig = pick.reshape(-1, n) @ rows - background[None, :]
-    sig -= sig.mean(axis=1, keepdims=True)
-    sig /= np.maximum(np.linalg.norm(sig, axis=1, keepdims=True), 1e-12)
+    sig = _centred_unit(pick.reshape(-1, n) @ rows - background[None, :])
     r = (sig @ type_signature).reshape(-1, 2)
     stat = r[:, 0] - r[:, 1]  # the cluster's match minus the kept cells'
     p = float((stat[1:] <= stat[0]).sum() + 1) / stat.size
