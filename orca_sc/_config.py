@@ -78,7 +78,7 @@ class DiscoveryConfig:
     core_min_fraction
         A cluster with a smaller share of core cells is not anchored.
     merge_threshold
-        A novel cluster whose marker signature correlates this much with a known type of another batch takes its name (``None``: never).
+        A novel cluster whose marker signature correlates this much with a known type of another batch takes its name (``None``: never); the correlation is corrected for the noise of the few cells behind either signature (Spearman's correction).
     no_warmup_rel_threshold
         Without a warm-up: clusters with a labelled share below this times the overall one count as novel.
     novelty_alpha
@@ -119,7 +119,7 @@ class DiscoveryConfig:
     query_min_enrichment: float = 2.5
     core_min_agree: float = 0.5
     core_min_fraction: float = 2 / 3
-    merge_threshold: float | None = 0.7
+    merge_threshold: float | None = 0.8
     no_warmup_rel_threshold: float = 0.1
     novelty_alpha: float = 0.05
     novelty_folds: int = 5

@@ -237,7 +237,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         means[into_known], n_in[into_known] = 0.0, 0.0  # as if their cells were no cluster's
         same = match_novel_across_batches(
             data.X, data.domain, clusters, n_novel, threshold,
-            background=background, cluster_means=(means, n_in),
+            background=background, cluster_means=(means, n_in), seed=fit.config.seed,
         )  # fmt: skip
     head_names, order = name_heads(counts, classes, pairs, same)
     for (h, k, _), t in zip(pairs, tested, strict=True):

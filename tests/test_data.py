@@ -691,3 +691,63 @@ def test_a_merged_novel_sibling_is_flagged_beside_its_known_type():
     merged = match_known_types(X, labels, domain, cut, 1, 3, 0.5, kept=rest, tested=tested)
     assert [(j, k) for j, k, _ in merged] == [(0, 0)] and not tested[0]["set_apart"]
     assert tested[0]["p_value"] > 0.05
+
+
+def test_a_known_type_with_few_labelled_cells_is_merged_as_with_many():
+    """A type's signature from a dozen labelled cells is noisy, so it correlates less with the
+    same type's cluster in another batch than the whole type's does; the merge reads the
+    correlation corrected for the two signatures' reliabilities (Spearman's correction), so the
+    call does not depend on how many cells carry the type. The reliability estimate matches
+    the one measured against the type's signature from all its cells, and a novel type's
+    cluster stays novel.
+    """
+    from orca_sc._discover import match_known_types
+    from orca_sc._discover.naming import (
+        _centred_unit,
+        _signatures,
+        naming_means,
+        signature_reliability,
+    )
+    from orca_sc.datasets import simulate
+
+    a = simulate(4000, 1000, 5, n_batches=2, library_size=1500, imbalance=1.0, seed=1)
+    t = a.obs["cell_type"].astype(str).to_numpy()
+    b = a.obs["batch"].astype(str).to_numpy()
+    X0 = sp.csr_matrix(a.X, dtype=np.float32)
+    X0.data = np.log1p(X0.data)
+    # the reliability of a 24-cell mean against its share of the signature of all the cells
+    ref = b == "batch_0"
+    bg = np.asarray(X0[ref].mean(axis=0)).ravel()
+    pool = np.flatnonzero(ref & (t == "type_0"))
+    full = _centred_unit(np.asarray(X0[pool].mean(axis=0)) - bg)[0]
+    rng = np.random.default_rng(0)
+    truth, estimate = [], []
+    for _ in range(20):
+        rows = np.sort(rng.choice(pool, 24, replace=False))
+        sig = _centred_unit(np.asarray(X0[rows].mean(axis=0)) - bg)[0]
+        truth.append((sig @ full) ** 2)
+        estimate.append(signature_reliability(X0, rows, bg, rng))
+    assert 0.3 < np.mean(truth) < 0.8 and abs(np.mean(estimate) - np.mean(truth)) < 0.1
+    # reference: batch 0 without type_4; query clusters: type_0 (known) and type_4 (novel)
+    keep = ref & (t != "type_4")
+    qry = b == "batch_1"
+    X = sp.vstack([X0[keep], X0[qry]]).tocsr()
+    classes = ["type_0", "type_1", "type_2", "type_3"]
+    tr, tq = t[keep], t[qry]
+    domain = np.r_[np.zeros(keep.sum()), np.ones(qry.sum())].astype(np.int64)
+    clusters = np.r_[[-1] * keep.sum(), np.select([tq == "type_0", tq == "type_4"], [0, 1], -1)]
+    every = np.array([classes.index(c) for c in tr])
+    few = np.full_like(every, -1)
+    for k in range(len(classes)):  # 12 labelled cells per type, the rest unlabelled
+        rows = np.random.default_rng(k).choice(np.flatnonzero(every == k), 12, replace=False)
+        few[rows] = k
+    calls = {}
+    for name, lab in (("few", few), ("every", every)):
+        labels = np.r_[lab, [-1] * qry.sum()]
+        bgs, cmeans, kmeans = naming_means(X, labels, domain, clusters, 2, len(classes))
+        raw = _signatures(*cmeans, bgs)[0] @ _signatures(*kmeans, bgs)[0].T
+        calls[name] = (raw[0, 0], match_known_types(X, labels, domain, clusters, 2, 4, 0.8))
+    (raw_few, merged_few), (raw_every, merged_every) = calls["few"], calls["every"]
+    assert raw_few < 0.8 <= raw_every  # uncorrected, a dozen labels would keep type_0 novel
+    assert [(j, k) for j, k, _ in merged_few] == [(0, 0)] == [(j, k) for j, k, _ in merged_every]
+    assert abs(merged_few[0][2] - merged_every[0][2]) < 0.1

@@ -576,13 +576,16 @@ def test_self_check_reports_in_uns_and_leaves_the_annotation_alone(monkeypatch, 
     assert check["novel_called"] >= 0.8 and check["known_called_novel"] <= 0.1
     assert check["hidden_clusters_found"] >= 1
     assert not check["notes"]
-    # a 200-cell reference on 1,000 genes: the warm-up memorises its few labels and 63% of the
-    # query's known-type cells are called novel; the self-check sees it on the reference and
-    # says so (its held-out known-type cells: 100% called novel)
+    # a 200-cell reference on 1,000 genes: the warm-up memorises its few labels and discovery
+    # puts known-type cells into novel clusters; the self-check sees it on the reference and
+    # says so (its held-out known-type cells: 100% in novel clusters). Naming then reports some
+    # of those clusters as their known type (the merge's correlation corrected for the 20-odd
+    # cells of each reference type), so the run calls fewer (19%) than the check measured
     few, u_few = _run(
         _sim_task(n_ref=200, n_query=150, n_genes=1000), self_check=True, **LABELS_ONLY
     )
-    assert few["known_called_novel"] > 0.3
+    assert 0.1 < few["known_called_novel"] < u_few["self_check"]["known_called_novel"]
+    assert u_few["merged_into_known"]["type"]
     assert u_few["self_check"]["known_called_novel"] > 0.3
     assert any("held-out known-type cells into novel" in n for n in u_few["self_check"]["notes"])
     q.write_h5ad(tmp_path / "q.h5ad")

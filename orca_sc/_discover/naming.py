@@ -66,6 +66,80 @@ def _signatures(means, counts, background):
     return _centred_unit(means[np.arange(n_groups), main] - background[main]), main, counts
 
 
+#: random halvings of a group by :func:`signature_reliability`
+RELIABILITY_SPLITS = 20
+#: at most this many cells of a group enter :func:`signature_reliability` (a larger group's
+#: reliability is stepped up from theirs by the Spearman-Brown formula)
+RELIABILITY_CELLS = 2000
+
+
+def signature_reliability(
+    X: sp.csr_matrix, rows: np.ndarray, background: np.ndarray, rng: np.random.Generator
+) -> float:
+    """How reproducible a group's within-batch marker signature (:func:`_signatures`) is: the
+    split-half reliability of its mean. The group's cells (``rows`` of ``X``, one batch with
+    mean ``background``) are halved at random :data:`RELIABILITY_SPLITS` times; the mean
+    correlation ``r`` of the two halves' signatures is stepped up to the whole group by the
+    Spearman-Brown formula ``2r / (1 + r)`` (and from at most :data:`RELIABILITY_CELLS` drawn
+    cells to all of them). A signature of few cells is noisy and correlates less with any other
+    than its type's true signature does; dividing an observed correlation by the square root
+    of the two reliabilities undoes that attenuation (Spearman's correction). ``nan`` where the
+    group has fewer than 4 cells or the halves do not correlate positively (no correction).
+    """
+    n_all = rows.size
+    if n_all < 4:
+        return float("nan")
+    if n_all > RELIABILITY_CELLS:
+        rows = np.sort(rng.choice(rows, RELIABILITY_CELLS, replace=False))
+    dense = X[rows].toarray().astype(np.float64)
+    n = dense.shape[0]
+    half = n // 2
+    order = np.stack([rng.permutation(n) for _ in range(RELIABILITY_SPLITS)])
+    pick = np.zeros((RELIABILITY_SPLITS, 2, n))
+    splits = np.arange(RELIABILITY_SPLITS)[:, None]
+    side = (np.arange(n) >= half).astype(np.int64)[None, :]
+    pick[splits, side, order] = np.where(side == 0, 1.0 / half, 1.0 / (n - half))
+    sig = _centred_unit(pick.reshape(-1, n) @ dense - background[None, :]).reshape(
+        RELIABILITY_SPLITS, 2, -1
+    )
+    r = float(np.mean(np.einsum("sg,sg->s", sig[:, 0], sig[:, 1])))
+    if not r > 0:
+        return float("nan")
+    rel = 2 * r / (1 + r)  # the half's reliability stepped up to the n drawn cells
+    m = n_all / n  # and to every cell of the group
+    return float(m * rel / (1 + (m - 1) * rel))
+
+
+def group_reliabilities(
+    X: sp.csr_matrix,
+    groups: np.ndarray,
+    n_groups: int,
+    domain: np.ndarray,
+    main: np.ndarray,
+    background: np.ndarray,
+    seed: int,
+) -> np.ndarray:
+    """:func:`signature_reliability` of each group (``groups``: ``-1`` for none) over its cells
+    in its main batch ``main[g]``, ``(n_groups,)``; ``seed`` draws the cells of large groups.
+    """
+    rng = np.random.default_rng([seed, 0x5B2E1])
+    out = np.full(n_groups, np.nan)
+    for g in range(n_groups):  # loop over groups, not cells
+        rows = np.flatnonzero((groups == g) & (domain == main[g]))
+        out[g] = signature_reliability(X, rows, background[main[g]], rng)
+    return out
+
+
+def disattenuate(corr: np.ndarray, rel_a: np.ndarray, rel_b: np.ndarray) -> np.ndarray:
+    """``corr[i, j]`` divided by ``sqrt(rel_a[i] * rel_b[j])`` (Spearman's correction for
+    attenuation), at most 1; where a reliability is ``nan`` that side is taken as reliable.
+    """
+    a = np.sqrt(np.where(np.isfinite(rel_a), rel_a, 1.0))
+    b = np.sqrt(np.where(np.isfinite(rel_b), rel_b, 1.0))
+    out = corr / (a[:, None] * b[None, :])
+    return np.where(np.isfinite(corr), np.minimum(out, 1.0), corr)
+
+
 #: random subsets drawn by :func:`set_apart_from_kept_cells`'s permutation test
 MERGE_PERMUTATIONS = 199
 #: at most this many cells of a cluster, and of a type's kept query cells, enter that test
@@ -177,9 +251,15 @@ def match_known_types(
         cluster_means = group_domain_means(X, clusters, n_clusters, domain, n_domains)
     if known_means is None:  # -1 (unlabelled) is no group
         known_means = group_domain_means(X, labels, n_seen, domain, n_domains)
-    known, _, known_counts = _signatures(*known_means, background)
+    known, known_main, known_counts = _signatures(*known_means, background)
     novel, novel_main, novel_counts = _signatures(*cluster_means, background)
     corr = novel @ known.T  # (n_clusters, n_seen) Pearson correlation of the signatures
+    # as if both signatures were of many cells: few cells behind one attenuate the correlation
+    corr = disattenuate(
+        corr,
+        group_reliabilities(X, clusters, n_clusters, domain, novel_main, background, seed),
+        group_reliabilities(X, labels, n_seen, domain, known_main, background, seed + 1),
+    )
     # a type can only absorb a cluster whose batch has none of the type's labelled cells
     corr[known_counts[:, novel_main].T > 0] = -np.inf
     corr[novel_counts.sum(axis=1) == 0] = -np.inf
@@ -209,6 +289,7 @@ def match_novel_across_batches(
     *,
     background: np.ndarray | None = None,
     cluster_means: tuple[np.ndarray, np.ndarray] | None = None,
+    seed: int = 0,
 ) -> list[tuple[int, int, float]]:
     """Novel clusters of different batches that are one novel type (e.g. a type present in two
     queries, found in each): their within-batch marker signatures (as in
@@ -225,7 +306,8 @@ def match_novel_across_batches(
     if cluster_means is None:
         cluster_means = group_domain_means(X, clusters, n_clusters, domain, n_domains)
     sig, main, counts = _signatures(*cluster_means, background)
-    corr = sig @ sig.T
+    rel = group_reliabilities(X, clusters, n_clusters, domain, main, background, seed)
+    corr = disattenuate(sig @ sig.T, rel, rel)
     size = counts.sum(axis=1)
     corr[:, size == 0] = -np.inf
     corr[main[:, None] == main[None, :]] = -np.inf  # only clusters of different batches
