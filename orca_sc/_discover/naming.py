@@ -226,8 +226,9 @@ def match_known_types(
     a type apart from the other cells *of its own batch* are largely the same in every batch. So
     each group gets a within-batch marker signature: its mean expression in its main batch minus
     that batch's mean over all cells. A cluster (``clusters[i]`` for unlabelled cell ``i``,
-    ``-1`` elsewhere) whose signature correlates at least ``threshold`` with a known type's is that
-    type, provided no cell of the type is labelled in the cluster's batch (within one batch the
+    ``-1`` elsewhere) whose signature correlates at least ``threshold`` with a known type's (the
+    correlation corrected for the noise of the few cells behind either signature:
+    :func:`signature_reliability`, :func:`disattenuate`) is that type, provided no cell of the type is labelled in the cluster's batch (within one batch the
     labels already say which cells belong to the type, so no cluster is merged there).
 
     ``background`` (:func:`batch_background`), ``cluster_means`` (the clusters'
@@ -293,9 +294,10 @@ def match_novel_across_batches(
 ) -> list[tuple[int, int, float]]:
     """Novel clusters of different batches that are one novel type (e.g. a type present in two
     queries, found in each): their within-batch marker signatures (as in
-    :func:`match_known_types`) correlate at least ``threshold`` and each is the other's best
-    match among the clusters of the other's batch. ``background`` and ``cluster_means`` as in
-    :func:`match_known_types`. Returns ``[(cluster, same_as, correlation)]`` (``same_as`` the
+    :func:`match_known_types`, the correlation corrected the same way) correlate at least
+    ``threshold`` and each is the other's best match among the clusters of the other's batch.
+    ``background`` and ``cluster_means`` as in :func:`match_known_types`; ``seed`` draws the
+    cells of large clusters for their reliability. Returns ``[(cluster, same_as, correlation)]`` (``same_as`` the
     larger of the two).
     """
     n_domains = int(domain.max()) + 1
