@@ -66,6 +66,22 @@ def _signatures(means, counts, background):
     return _centred_unit(means[np.arange(n_groups), main] - background[main]), main, counts
 
 
+def _split_signatures(
+    rows: np.ndarray, order: np.ndarray, m: int, background: np.ndarray
+) -> np.ndarray:
+    """Signatures (:func:`_centred_unit` of the mean minus ``background``) of both groups of
+    each split of the dense ``rows``: split ``s`` puts ``rows[order[s, :m]]`` in its first
+    group and the rest in its second. ``(n_splits, 2, n_genes)``, from one BLAS product.
+    """
+    n_splits, n = order.shape
+    weight = np.where(np.arange(n) < m, 1.0 / m, 1.0 / (n - m))  # by position in the split
+    pick = np.zeros((n_splits, 2, n))
+    side = (np.arange(n) >= m)[None, :].astype(np.int64)
+    pick[np.arange(n_splits)[:, None], side, order] = weight[None, :]
+    sig = _centred_unit(pick.reshape(-1, n) @ rows - background[None, :])
+    return sig.reshape(n_splits, 2, -1)
+
+
 #: random halvings of a group by :func:`signature_reliability`
 RELIABILITY_SPLITS = 20
 #: at most this many cells of a group enter :func:`signature_reliability` (a larger group's
@@ -93,15 +109,8 @@ def signature_reliability(
         rows = np.sort(rng.choice(rows, RELIABILITY_CELLS, replace=False))
     dense = X[rows].toarray().astype(np.float64)
     n = dense.shape[0]
-    half = n // 2
     order = np.stack([rng.permutation(n) for _ in range(RELIABILITY_SPLITS)])
-    pick = np.zeros((RELIABILITY_SPLITS, 2, n))
-    splits = np.arange(RELIABILITY_SPLITS)[:, None]
-    side = (np.arange(n) >= half).astype(np.int64)[None, :]
-    pick[splits, side, order] = np.where(side == 0, 1.0 / half, 1.0 / (n - half))
-    sig = _centred_unit(pick.reshape(-1, n) @ dense - background[None, :]).reshape(
-        RELIABILITY_SPLITS, 2, -1
-    )
+    sig = _split_signatures(dense, order, n // 2, background)
     r = float(np.mean(np.einsum("sg,sg->s", sig[:, 0], sig[:, 1])))
     if not r > 0:
         return float("nan")
@@ -186,15 +195,9 @@ def set_apart_from_kept_cells(
     order = np.stack(
         [np.arange(n)] + [rng.permutation(n) for _ in range(MERGE_PERMUTATIONS)]
     )  # (B + 1, n): the observed split first
-    # one row of means per group of each split: (split 0, cluster), (split 0, kept), ...;
     # the pooled rows (at most 2 x MERGE_TEST_CELLS) densified for one BLAS product
-    weight = np.where(np.arange(n) < m, 1.0 / m, 1.0 / (n - m))  # by position in the split
-    pick = np.zeros((order.shape[0], 2, n))
-    splits = np.arange(order.shape[0])[:, None]
-    pick[splits, (np.arange(n) >= m)[None, :].astype(np.int64), order] = weight[None, :]
-    rows = X[pool].toarray().astype(np.float64)
-    sig = _centred_unit(pick.reshape(-1, n) @ rows - background[None, :])
-    r = (sig @ type_signature).reshape(-1, 2)
+    sig = _split_signatures(X[pool].toarray().astype(np.float64), order, m, background)
+    r = (sig.reshape(-1, sig.shape[2]) @ type_signature).reshape(-1, 2)
     stat = r[:, 0] - r[:, 1]  # the cluster's match minus the kept cells'
     p = float((stat[1:] <= stat[0]).sum() + 1) / stat.size
     # the fit chose the cluster's cells for looking unlike the type, so a random split is a
@@ -228,8 +231,9 @@ def match_known_types(
     that batch's mean over all cells. A cluster (``clusters[i]`` for unlabelled cell ``i``,
     ``-1`` elsewhere) whose signature correlates at least ``threshold`` with a known type's (the
     correlation corrected for the noise of the few cells behind either signature:
-    :func:`signature_reliability`, :func:`disattenuate`) is that type, provided no cell of the type is labelled in the cluster's batch (within one batch the
-    labels already say which cells belong to the type, so no cluster is merged there).
+    :func:`signature_reliability`, :func:`disattenuate`) is that type, provided no cell of the
+    type is labelled in the cluster's batch (within one batch the labels already say which cells
+    belong to the type, so no cluster is merged there).
 
     ``background`` (:func:`batch_background`), ``cluster_means`` (the clusters'
     :func:`group_domain_means`) and ``known_means`` (the labelled types'), where the caller has
@@ -297,8 +301,8 @@ def match_novel_across_batches(
     :func:`match_known_types`, the correlation corrected the same way) correlate at least
     ``threshold`` and each is the other's best match among the clusters of the other's batch.
     ``background`` and ``cluster_means`` as in :func:`match_known_types`; ``seed`` draws the
-    cells of large clusters for their reliability. Returns ``[(cluster, same_as, correlation)]`` (``same_as`` the
-    larger of the two).
+    cells of large clusters for their reliability. Returns ``[(cluster, same_as,
+    correlation)]`` (``same_as`` the larger of the two).
     """
     n_domains = int(domain.max()) + 1
     if n_domains < 2 or n_clusters < 2:
