@@ -1,3 +1,4 @@
+import os
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -150,3 +151,21 @@ def server():
     yield httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
     httpd.server_close()
+
+
+#: thread pools that each library sizes to the machine unless told
+_POOLS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist every worker runs single-threaded (torch, BLAS, OpenMP, numba), so that
+    the workers share the cores instead of oversubscribing them. The controller sets the
+    environment before it starts the workers; a worker also sets torch's pool.
+    """
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+    elif getattr(config.option, "numprocesses", None):
+        for k in _POOLS:
+            os.environ.setdefault(k, "1")
