@@ -266,19 +266,34 @@ class CellMatrix:
 
 
 @torch.no_grad()
+def uncertainty_batches(data: CellMatrix, rows: np.ndarray, comm: Comm | None = None) -> list:
+    """The batches :func:`mean_uncertainty` reads for ``rows`` (this rank's share of them), built
+    once for a phase: the rows are fixed, so every epoch's refresh reads the same batches.
+    """
+    mine = rows if comm is None else rows[comm.share(rows.size)]
+    return [data.batch(mine[lo : lo + _INFER_CHUNK]) for lo in range(0, mine.size, _INFER_CHUNK)]
+
+
+@torch.no_grad()
 def mean_uncertainty(
-    net: OrcaNet, data: CellMatrix, rows: np.ndarray, comm: Comm | None = None
+    net: OrcaNet,
+    data: CellMatrix,
+    rows: np.ndarray,
+    comm: Comm | None = None,
+    batches: list | None = None,
 ) -> float:
     """Paper Eq. 4: mean over ``rows`` of ``1 - max softmax``, in eval mode (each rank of
-    ``comm`` takes its share of ``rows``; the sum is taken over the ranks).
+    ``comm`` takes its share of ``rows``; the sum is taken over the ranks). ``batches``: those of
+    :func:`uncertainty_batches` for the same rows, where the caller keeps them.
     """
     if rows.size == 0:
         return 0.0
     net.eval()
-    mine = rows if comm is None else rows[comm.share(rows.size)]
+    if batches is None:
+        batches = uncertainty_batches(data, rows, comm)
     total = torch.zeros((), device=data.device)
-    for lo in range(0, mine.size, _INFER_CHUNK):
-        logits, _ = net(data.batch(mine[lo : lo + _INFER_CHUNK]))
+    for x in batches:
+        logits, _ = net(x)
         total += (1 - F.softmax(logits, dim=1).amax(dim=1)).sum()
     if comm is not None:
         total = float(comm.sum(np.array([float(total)]))[0])
@@ -558,11 +573,14 @@ class OrcaLoss:
         self.prior, self.y_anchor, self.pair_features = prior, y_anchor, pair_features
         self.generator = generator
         self.margin, self.anchored = 0.0, False
+        self._u_batches: list | None = None  # built at the first refresh, read at every one
 
     def start_epoch(self, net: OrcaNet, epoch: int) -> dict:
         cfg = self.config
         with stage("margin refresh"):
-            u = mean_uncertainty(net, self.data, self.u_rows, self.comm)
+            if self._u_batches is None:
+                self._u_batches = uncertainty_batches(self.data, self.u_rows, self.comm)
+            u = mean_uncertainty(net, self.data, self.u_rows, self.comm, self._u_batches)
         self.margin = adaptive_margin(cfg.margin, u, cfg.lam, cfg.max_margin, cfg.fixed_margin)
         plan = self.plan
         self.anchored = self.y_anchor is not None and epoch < plan.warmup + plan.anchor

@@ -221,3 +221,34 @@ def test_reproducible_turns_on_deterministic_kernels_on_a_gpu_only_and_restores_
         assert not torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("density", [0.05, 0.5])  # the sparse and the dense CPU layout
+def test_the_margins_batches_are_built_once_and_read_with_the_current_weights(density):
+    """The margin's refresh reads the same fixed cells every epoch, so their batches are built
+    once per phase; what it returns still follows the net: with the kept batches it equals a
+    refresh that builds them again, before and after the weights change.
+    """
+    import scipy.sparse as sp
+
+    from orca_sc._train import CellMatrix, mean_uncertainty, uncertainty_batches
+    from orca_sc.module import OrcaNet
+
+    rng = np.random.default_rng(0)
+    X = sp.random(300, 40, density=density, format="csr", dtype=np.float32, random_state=1)
+    domain = rng.integers(0, 2, 300)
+    scale = np.ones((2, 40), np.float32)
+    offset = rng.normal(size=(2, 40)).astype(np.float32)
+    cells = CellMatrix(X, domain, scale, offset, torch.device("cpu"))
+    assert cells.layout == ("sparse" if density < 0.2 else "dense")
+    torch.manual_seed(0)
+    net = OrcaNet(40, 5, (16, 8), 0.1)
+    rows = np.sort(rng.choice(300, 120, replace=False))
+    kept = uncertainty_batches(cells, rows)
+    before = mean_uncertainty(net, cells, rows, batches=kept)
+    assert before == mean_uncertainty(net, cells, rows)
+    with torch.no_grad():  # a training step's worth of change, in every layer
+        for p in net.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    after = mean_uncertainty(net, cells, rows, batches=kept)
+    assert after == mean_uncertainty(net, cells, rows) and after != before
