@@ -265,6 +265,18 @@ class CellMatrix:
         )
 
 
+#: the most memory the margin's kept batches may hold (otherwise they are built at each refresh)
+UNCERTAINTY_BATCH_BYTES = 256 << 20
+
+
+def _affordable(data: CellMatrix, n_rows: int) -> bool:
+    """Whether ``n_rows`` rows of ``data`` in batch form fit :data:`UNCERTAINTY_BATCH_BYTES`
+    (dense rows: 4 bytes a value; sparse ones: about 12 a stored value).
+    """
+    per_value = 12 * data.density if data.layout == "sparse" else 4
+    return n_rows * data.shape[1] * per_value <= UNCERTAINTY_BATCH_BYTES
+
+
 @torch.no_grad()
 def uncertainty_batches(data: CellMatrix, rows: np.ndarray, comm: Comm | None = None) -> list:
     """The batches :func:`mean_uncertainty` reads for ``rows`` (this rank's share of them), built
@@ -578,7 +590,7 @@ class OrcaLoss:
     def start_epoch(self, net: OrcaNet, epoch: int) -> dict:
         cfg = self.config
         with stage("margin refresh"):
-            if self._u_batches is None:
+            if self._u_batches is None and _affordable(self.data, self.u_rows.size):
                 self._u_batches = uncertainty_batches(self.data, self.u_rows, self.comm)
             u = mean_uncertainty(net, self.data, self.u_rows, self.comm, self._u_batches)
         self.margin = adaptive_margin(cfg.margin, u, cfg.lam, cfg.max_margin, cfg.fixed_margin)
