@@ -69,6 +69,8 @@ class DiscoveryConfig:
         A batch whose unlabelled cells are supported less often than this was not labelled at random.
     query_resolution
         Leiden resolution of a batch without labelled cells (a separate query).
+    query_vote
+        How a cluster of a batch without labelled cells becomes a candidate: ``"share"``, by its share of out-of-distribution cells (below); ``"either"`` (measured, not the default: docs/discovery.md), also where its cells score below the unseen labelled cells of the known types whose heads claim them (each cell's conformal p-value against that type's cross-fitted cosines, shifted by the batch; the cluster's mean p at most 0.36, a medium effect, and below 1/2 by a one-sided test at level 0.01 over the batch's clusters; needs the cross-fitted cosines: ``novelty_folds`` >= 2 and ``cross_fit_threshold="per_type"``).
     query_min_fraction
         A query cluster is a candidate when this share of its cells is out-of-distribution ...
     query_min_enrichment
@@ -115,6 +117,7 @@ class DiscoveryConfig:
     desert_alpha: float = 0.01
     segregated_support: float = 0.1
     query_resolution: float = 1.0
+    query_vote: str = "share"
     query_min_fraction: float = 0.5
     query_min_enrichment: float = 2.5
     core_min_agree: float = 0.5
@@ -185,6 +188,8 @@ class DiscoveryConfig:
                 '"none" or "per_type" when novelty_folds=0 (the cap reads the cross-fitted '
                 "warm-ups; set novelty_folds >= 2)",
             )  # fmt: skip
+        if self.query_vote not in ("either", "share"):
+            _invalid("query_vote", self.query_vote, '"either" or "share"')
         if self.pca_input not in ("log", "pearson", "auto"):
             _invalid("pca_input", self.pca_input, '"log", "pearson" or "auto"')
         if self.integration is None:  # as `--set integration=none` reads it

@@ -9,6 +9,7 @@ import pkgutil
 from dataclasses import replace
 
 import numpy as np
+import pandas as pd
 import pytest
 import scipy.sparse as sp
 import torch
@@ -103,7 +104,12 @@ def test_size_check_repeats_discovery_on_a_sample_and_says_where_they_disagree()
     assert flat.diagnostics["size_check"]["agrees"]  # the counts agree: only the threshold
     assert len(flat.notes) == len(found.notes) + 1 and "threshold" in flat.notes[-1]
     assert f"{low.threshold:.3f}" in flat.notes[-1]
+    assert "query_votes" not in flat.notes[-1]  # no query cluster was voted on p-values
     np.testing.assert_array_equal(flat.assign, found.assign)
+    # where query clusters were voted on their p-values, the note says that part holds
+    voted = replace(low, diagnostics={**low.diagnostics, "query_votes": {"mean_p": [0.3, np.nan]}})
+    said = size_check(voted, truth.size, on, sample_cells=200).notes[-1]
+    assert "in batches with labelled cells" in said and "query_votes" in said
 
 
 def test_discovery_n_neighbors_reaches_every_graph(monkeypatch):
@@ -646,3 +652,80 @@ def test_a_run_with_discovery_on_a_device_finds_the_novel_types(small_sim):
         assert novel[truth == t].notna().mean() > 0.9
     assert novel[truth.isin(["type_0", "type_1", "type_2"])].notna().mean() < 0.05
     assert novel.dropna().nunique() == 2
+
+
+def test_conformal_query_vote_does_not_move_with_the_number_of_cells():
+    """The conformal vote reads each query cell's score against the cross-fitted cosines of the
+    known type that claims it: a cluster of known cells (scores drawn like the type's unseen
+    labelled cells, shifted down by the batch) is never a candidate, however many cells it has,
+    and a cluster that scores below them with a medium effect is one at 100 cells as at 50,000.
+    The share vote with a threshold fixed at the 5% quantile flags 5% of the known cells and
+    about a fifth of the novel ones: below its majority, and its enrichment depends on how many
+    novel cells the batch holds.
+    """
+    from orca_sc._discover import query_pvalues
+    from orca_sc._discover.ood import QUERY_MEAN_P, conformal_vote
+
+    rng = np.random.default_rng(1)
+    held = rng.normal(0.35, 0.1, 600)  # type 0's cross-fitted cosines
+    labels = np.r_[np.zeros(600, int), np.full(2 * 50_000, -1)]
+    for n in (100, 2_000, 50_000):
+        known = rng.normal(0.30, 0.1, n)  # the batch shifts type 0 down by 0.05
+        novel = rng.normal(0.22, 0.1, n)  # a novel type type 0's head claims
+        maxcos = np.r_[held, known, novel, np.zeros(2 * (50_000 - n))]
+        held_out = np.r_[held, np.full(maxcos.size - 600, np.nan)]
+        domain = np.r_[np.zeros(600, int), np.ones(maxcos.size - 600, int)]
+        cells = np.arange(600, 600 + 2 * n)
+        p = query_pvalues(maxcos, np.zeros(maxcos.size, int), labels, held_out, domain, cells,
+                          {1: [-0.05]}, 20)  # fmt: skip
+        assert np.isnan(p[:600]).all() and np.isfinite(p[cells]).all()
+        assert p[cells[:n]].mean() == pytest.approx(0.5, abs=0.1 if n == 100 else 0.03)
+        assert not conformal_vote(p[cells[:n]], 10)[0]
+        take, mean = conformal_vote(p[cells[n:]], 10)
+        assert take and mean <= QUERY_MEAN_P
+        # the share vote at the 5% quantile of the held-out cosines
+        flagged = maxcos[cells] < np.quantile(held, 0.05) - 0.05
+        assert flagged[:n].mean() < 0.12 and flagged[n:].mean() < 0.5
+
+
+def test_conformal_query_vote_needs_an_effect_and_enough_cells():
+    """A cluster slightly below its type (mean p 0.45) is not a candidate even at 50,000 cells,
+    where a test alone would call it; three cells at p 0.2 are not one either: the test cannot
+    support the call (the same scores over 40 cells can).
+    """
+    from orca_sc._discover.ood import conformal_vote
+
+    rng = np.random.default_rng(2)
+    slight = np.clip(rng.uniform(0, 1, 50_000) - 0.05, 0.001, 1)
+    take, mean = conformal_vote(slight, 10)
+    assert not take and mean == pytest.approx(0.45, abs=0.01)
+    assert not conformal_vote(np.full(3, 0.2), 10)[0]
+    assert conformal_vote(np.full(40, 0.2), 10)[0]
+
+
+def test_query_votes_take_a_cluster_either_vote_takes():
+    """A cluster is a candidate by its share of out-of-distribution cells or, where its cells
+    have p-values, by the conformal vote: a novel cluster with few flagged cells but low
+    p-values is taken, a cluster of flagged cells without p-values (its type has too few
+    cross-fitted cells) is taken, a known cluster with uniform p-values and few flagged cells is
+    not. Every vote is recorded.
+    """
+    from orca_sc._discover import query_ood_clusters
+
+    rng = np.random.default_rng(0)
+    n = {"N": 80, "K": 300, "S": 60}
+    centers = {t: 10.0 * np.eye(3)[i] for i, t in enumerate(n)}
+    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 3)) for t in n])
+    truth = np.repeat(list(n), list(n.values()))
+    p = np.where(truth == "N", rng.uniform(0, 0.4, truth.size), rng.uniform(0, 1, truth.size))
+    p[truth == "S"] = np.nan
+    ood = rng.random(truth.size) < np.where(truth == "N", 0.2, np.where(truth == "K", 0.03, 0.7))
+    args = (ood, np.arange(truth.size), np.zeros(truth.size, int), lambda idx: emb[idx])
+    votes: list[dict] = []
+    groups = query_ood_clusters(*args, resolution=0.2, pvalues=p, votes=votes)
+    assert sorted(pd.Series(truth[g]).mode()[0] for g in groups) == ["N", "S"]
+    assert len(votes) == 3 and sum(v["candidate"] for v in votes) == 2
+    assert sorted(v["mean_p"] is None for v in votes) == [False, False, True]
+    # the share vote alone misses N (20% flagged, below 2.5 times the batch's 15%)
+    share = query_ood_clusters(*args, resolution=0.2)
+    assert [pd.Series(truth[g]).mode()[0] for g in share] == ["S"]

@@ -64,6 +64,7 @@ from .ood import (
     ood_clusters,
     ood_threshold,
     query_ood_clusters,
+    query_pvalues,
     shift_notes,
     type_thresholds,
 )
@@ -127,7 +128,7 @@ def discover(
         held_out = np.where(lab, held_out, np.nan)
     per_type = cfg.cross_fit_threshold == "per_type" and held_out is not None
     tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg, None if per_type else held_out)
-    cell_tau, shift_said = None, []
+    cell_tau, shift_said, pvalues, votes = None, [], None, []
     if per_type:
         cell_tau, record = type_thresholds(
             maxcos, seen_similarity.argmax(axis=1), labels, held_out, query, domain, tau,
@@ -140,6 +141,11 @@ def discover(
                     "shift_kept": kept}  # fmt: skip
         shift_said = shift_notes(record, domain_names, cells.class_names,
                                  cells_for_quantile(cfg.novelty_alpha))  # fmt: skip
+        if cfg.query_vote == "either" and query.any():
+            pvalues = query_pvalues(
+                maxcos, seen_similarity.argmax(axis=1), labels, held_out, domain,
+                np.flatnonzero(query), record["query_shift"], cells_for_quantile(cfg.novelty_alpha),
+            )  # fmt: skip
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
         resolution=resolution, seed=seed, exclude=ev.supported | query,
@@ -147,7 +153,14 @@ def discover(
     )  # fmt: skip
     # the same cells below their threshold as in ood_clusters, before its include/exclude
     ood = maxcos < (tau if cell_tau is None else cell_tau)
-    groups = _query_candidates(ood, query, domain, pca_cells, cfg, seed)
+    groups = _query_candidates(ood, query, domain, pca_cells, cfg, seed, pvalues, votes)
+    if query.any():
+        names = domain_names or [str(d) for d in range(int(domain.max()) + 1)]
+        tau_info = {**tau_info, "query_votes": {
+            "batch": [names[v["batch"]] for v in votes], "cells": [v["cells"] for v in votes],
+            "mean_p": [np.nan if v["mean_p"] is None else v["mean_p"] for v in votes],
+            "candidate": [v["candidate"] for v in votes],
+        }}  # fmt: skip
     assign, sizes = _rank_by_size(assign, sizes, groups)
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
@@ -187,6 +200,7 @@ __all__ = [
     "ood_threshold",
     "pca_embedding",
     "query_ood_clusters",
+    "query_pvalues",
     "resolve_resolution",
     "segregated_batches",
     "self_check_report",

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .._config import DiscoveryConfig
+from .ood import QUERY_LEVEL, QUERY_MEAN_P
 
 _DEFAULTS = DiscoveryConfig()
 #: below this many unlabelled cells, discover notes that small novel types go undetected
@@ -109,11 +110,19 @@ def _method(resolution: float, has_query: bool, cfg: DiscoveryConfig) -> str:
         "labelled neighbours"
     )
     if has_query:
+        share = (
+            f"at least {cfg.query_min_fraction:.0%} (or {cfg.query_min_enrichment:g}x the "
+            "batch's share) of such cells"
+        )
+        if cfg.query_vote == "either":
+            share += (
+                ", or whose cells score below the cross-fitted cosines of the known types that "
+                f"claim them (mean conformal p <= {QUERY_MEAN_P:g}, below 1/2 at level "
+                f"{QUERY_LEVEL:g})"
+            )
         text += (
             f"; in batches without labels, Leiden clusters (resolution "
-            f"{cfg.query_resolution:g}) of the batch with at least "
-            f"{cfg.query_min_fraction:.0%} (or {cfg.query_min_enrichment:g}x the batch's share) "
-            "of such cells"
+            f"{cfg.query_resolution:g}) of the batch with {share}"
         )
     return text
 

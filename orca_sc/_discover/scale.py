@@ -66,7 +66,15 @@ def size_check(
             f"{tau:.3f}, against {sample_tau:.3f} when the warm-up and discovery "
             f"ran on a random {sample.size:,} of them alone: the warm-up fitted its labelled "
             "cells so loosely at this size that almost no cell falls below it, and cells of a "
-            "novel type can go unnoticed. uns['orca']['estimate']['size_check'] has both.",
+            "novel type can go unnoticed"
+            + (
+                " in batches with labelled cells (in batches without them clusters were also "
+                "voted on their cells' scores against labelled cells no net trained on, which "
+                "this does not affect: estimate['query_votes'])"
+                if _conformal_votes(found)
+                else ""
+            )
+            + ". uns['orca']['estimate']['size_check'] has both.",
         )
     if not record["agrees"]:
         notes += (
@@ -81,6 +89,12 @@ def size_check(
             "uns['orca']['estimate']['size_check'] has both counts.",
         )
     return replace(found, diagnostics={**found.diagnostics, "size_check": record}, notes=notes)
+
+
+def _conformal_votes(found: Discovery) -> bool:
+    """Whether any query cluster of ``found`` was voted on its conformal p-values."""
+    means = found.diagnostics.get("query_votes", {}).get("mean_p", [])
+    return bool(np.isfinite(np.asarray(means, dtype=float)).any())
 
 
 def _in_sample(found: Discovery) -> float | None:
