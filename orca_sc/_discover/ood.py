@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .._config import DiscoveryConfig
+from .._conformal import CrossConformal
 from .graph import leiden
 
 _DEFAULTS = DiscoveryConfig()
@@ -259,15 +260,17 @@ def query_pvalues(
     Returns an array over all cells.
     """
     p = np.full(maxcos.shape[0], np.nan)
-    for t in np.unique(predicted[cells]):  # loop over known types, not cells
-        ht = np.sort(held_out[(labels == t) & np.isfinite(held_out)])
+    claimed, batch = predicted[cells], domain[cells]
+    for t in np.unique(claimed):  # loop over known types, not cells
+        ht = held_out[(labels == t) & np.isfinite(held_out)]
         if ht.size < min_cells:
             continue
-        for d in np.unique(domain[cells]):  # loop over batches
-            m = (predicted[cells] == t) & (domain[cells] == d)
-            delta = shift.get(int(d), [None] * (t + 1))[t] or 0.0
-            k = np.searchsorted(ht, maxcos[cells[m]] - delta, side="right")
-            p[cells[m]] = (k + 1) / (ht.size + 1)
+        for d in np.unique(batch):  # loop over batches
+            rows = cells[(claimed == t) & (batch == d)]
+            # nonconformity = minus the cosine: p = (1 + #{held-out <= the cell's}) / (m + 1)
+            counts = CrossConformal(rows.size)
+            counts.add(-ht, -(maxcos[rows] - (shift[int(d)][t] or 0.0)))
+            p[rows] = counts.pvalues()
     return p
 
 
@@ -295,7 +298,7 @@ def query_ood_clusters(
     seed: int = 0,
     n_neighbors: int = _DEFAULTS.n_neighbors,
     pvalues: np.ndarray | None = None,
-    min_cells: int = 20,
+    min_cells: int = cells_for_quantile(_DEFAULTS.novelty_alpha),
     votes: list[dict] | None = None,
 ) -> list[np.ndarray]:
     """Candidate novel clusters of batches without labelled cells, decided per cluster.
