@@ -190,6 +190,12 @@ class DiscoveryConfig:
             )  # fmt: skip
         if self.query_vote not in ("either", "share"):
             _invalid("query_vote", self.query_vote, '"either" or "share"')
+        if self.query_vote == "either" and (folds == 0 or self.cross_fit_threshold != "per_type"):
+            _invalid(
+                "query_vote", self.query_vote,
+                '"share" unless novelty_folds >= 2 and cross_fit_threshold="per_type" (the '
+                "conformal vote reads the cross-fitted cosines of each known type)",
+            )  # fmt: skip
         if self.pca_input not in ("log", "pearson", "auto"):
             _invalid("pca_input", self.pca_input, '"log", "pearson" or "auto"')
         if self.integration is None:  # as `--set integration=none` reads it

@@ -207,6 +207,10 @@ def test_config_validation():
         orca_sc.DiscoveryConfig(cross_fit_threshold=True, novelty_folds=0)
     with pytest.raises(ValueError, match="cross_fit_threshold"):
         orca_sc.DiscoveryConfig(cross_fit_threshold="per type")
+    # the conformal query vote reads the per-type cross-fitted cosines: no silent fallback
+    for bad in ({"novelty_folds": 0}, {"cross_fit_threshold": "cap"}, {"cross_fit_threshold": None}):
+        with pytest.raises(ValueError, match="query_vote.*novelty_folds >= 2"):
+            orca_sc.DiscoveryConfig(query_vote="either", **bad)
     # the per-type threshold needs the folds too, but without them it falls back to the
     # in-sample rule (novelty_folds=0 is how a user skips the warm-ups); the booleans of
     # models saved by 0.2.0 still load, True as the cap and False as the in-sample rule
