@@ -35,7 +35,7 @@ from ._card import model_card
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
 from ._discover import match_known_types, match_novel_across_batches, name_heads
-from ._discover.naming import naming_means
+from ._discover.naming import cluster_reliabilities, naming_means
 from ._engine import stage
 from ._errors import OrcaInputError, check_anndata, check_input_file
 from ._pipeline import Fit
@@ -225,10 +225,15 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
             data.X, data.labels, data.domain, clusters, n_novel, n_seen
         )
         kept = np.where(unl & (head < n_seen), head, -1)  # the query cells of known heads
+        # each cluster's reliability, once for both matches
+        rel = cluster_reliabilities(
+            data.X, data.domain, clusters, (means, n_in), background, fit.config.seed
+        )
         pairs = match_known_types(
             data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold,
             background=background, cluster_means=(means, n_in), known_means=known, kept=kept,
             alpha=fit.config.discovery.novelty_alpha, seed=fit.config.seed, tested=tested,
+            cluster_reliability=rel,
         )  # fmt: skip
     if threshold is not None and n_novel > 1:  # one novel type found in several batches
         into_known = [h for h, _, _ in pairs]
@@ -238,6 +243,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         same = match_novel_across_batches(
             data.X, data.domain, clusters, n_novel, threshold,
             background=background, cluster_means=(means, n_in), seed=fit.config.seed,
+            cluster_reliability=rel,
         )  # fmt: skip
     head_names, order = name_heads(counts, classes, pairs, same)
     for (h, k, _), t in zip(pairs, tested, strict=True):

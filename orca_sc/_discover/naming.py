@@ -139,6 +139,23 @@ def group_reliabilities(
     return out
 
 
+def cluster_reliabilities(
+    X: sp.csr_matrix,
+    domain: np.ndarray,
+    clusters: np.ndarray,
+    cluster_means: tuple[np.ndarray, np.ndarray],
+    background: np.ndarray,
+    seed: int,
+) -> np.ndarray:
+    """:func:`group_reliabilities` of the novel clusters over their cells in their main batch
+    (``cluster_means``: their :func:`group_domain_means`), once for both
+    :func:`match_known_types` and :func:`match_novel_across_batches`.
+    """
+    means, counts = cluster_means
+    main = counts.argmax(axis=1)
+    return group_reliabilities(X, clusters, means.shape[0], domain, main, background, seed)
+
+
 def disattenuate(corr: np.ndarray, rel_a: np.ndarray, rel_b: np.ndarray) -> np.ndarray:
     """``corr[i, j]`` divided by ``sqrt(rel_a[i] * rel_b[j])`` (Spearman's correction for
     attenuation), at most 1; where a reliability is ``nan`` that side is taken as reliable.
@@ -221,6 +238,7 @@ def match_known_types(
     alpha: float = _DEFAULTS.novelty_alpha,
     seed: int = 0,
     tested: list | None = None,
+    cluster_reliability: np.ndarray | None = None,
 ) -> list[tuple[int, int, float]]:
     """Novel clusters that are a known type seen in another batch.
 
@@ -247,6 +265,9 @@ def match_known_types(
     (a novel sibling of the type, or a part of the type that the fit chose for looking unlike
     it: the test cannot tell these apart, so it decides nothing and the merge stands).
 
+    ``cluster_reliability`` (:func:`cluster_reliabilities`), where the caller has it, is not
+    computed again.
+
     Returns ``[(cluster, type, correlation), ...]`` for the merged clusters.
     """
     n_domains = int(domain.max()) + 1
@@ -260,9 +281,13 @@ def match_known_types(
     novel, novel_main, novel_counts = _signatures(*cluster_means, background)
     corr = novel @ known.T  # (n_clusters, n_seen) Pearson correlation of the signatures
     # as if both signatures were of many cells: few cells behind one attenuate the correlation
+    if cluster_reliability is None:
+        cluster_reliability = group_reliabilities(
+            X, clusters, n_clusters, domain, novel_main, background, seed
+        )
     corr = disattenuate(
         corr,
-        group_reliabilities(X, clusters, n_clusters, domain, novel_main, background, seed),
+        cluster_reliability,
         group_reliabilities(X, labels, n_seen, domain, known_main, background, seed + 1),
     )
     # a type can only absorb a cluster whose batch has none of the type's labelled cells
@@ -295,14 +320,16 @@ def match_novel_across_batches(
     background: np.ndarray | None = None,
     cluster_means: tuple[np.ndarray, np.ndarray] | None = None,
     seed: int = 0,
+    cluster_reliability: np.ndarray | None = None,
 ) -> list[tuple[int, int, float]]:
     """Novel clusters of different batches that are one novel type (e.g. a type present in two
     queries, found in each): their within-batch marker signatures (as in
     :func:`match_known_types`, the correlation corrected the same way) correlate at least
     ``threshold`` and each is the other's best match among the clusters of the other's batch.
-    ``background`` and ``cluster_means`` as in :func:`match_known_types`; ``seed`` draws the
-    cells of large clusters for their reliability. Returns ``[(cluster, same_as,
-    correlation)]`` (``same_as`` the larger of the two).
+    ``background``, ``cluster_means`` and ``cluster_reliability`` as in
+    :func:`match_known_types`; ``seed`` draws the cells of large clusters for their
+    reliability. Returns ``[(cluster, same_as, correlation)]`` (``same_as`` the larger of the
+    two).
     """
     n_domains = int(domain.max()) + 1
     if n_domains < 2 or n_clusters < 2:
@@ -312,7 +339,9 @@ def match_novel_across_batches(
     if cluster_means is None:
         cluster_means = group_domain_means(X, clusters, n_clusters, domain, n_domains)
     sig, main, counts = _signatures(*cluster_means, background)
-    rel = group_reliabilities(X, clusters, n_clusters, domain, main, background, seed)
+    rel = cluster_reliability
+    if rel is None:
+        rel = group_reliabilities(X, clusters, n_clusters, domain, main, background, seed)
     corr = disattenuate(sig @ sig.T, rel, rel)
     size = counts.sum(axis=1)
     corr[:, size == 0] = -np.inf
