@@ -208,7 +208,11 @@ def test_config_validation():
     with pytest.raises(ValueError, match="cross_fit_threshold"):
         orca_sc.DiscoveryConfig(cross_fit_threshold="per type")
     # the conformal query vote reads the per-type cross-fitted cosines: no silent fallback
-    for bad in ({"novelty_folds": 0}, {"cross_fit_threshold": "cap"}, {"cross_fit_threshold": None}):
+    for bad in (
+        {"novelty_folds": 0},
+        {"cross_fit_threshold": "cap"},
+        {"cross_fit_threshold": None},
+    ):
         with pytest.raises(ValueError, match="query_vote.*novelty_folds >= 2"):
             orca_sc.DiscoveryConfig(query_vote="either", **bad)
     # the per-type threshold needs the folds too, but without them it falls back to the
