@@ -26,8 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from _figures import report_figures
-from device_agreement import agreement
+from _figures import agreement, report_figures
 
 import orca_sc
 from orca_sc.benchmark import simulated_open_world

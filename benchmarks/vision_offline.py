@@ -44,7 +44,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--shared-pretrain", action="store_true")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--ablations", action="store_true", help="also " + ", ".join(ABLATIONS))
+    ap.add_argument(
+        "--ablations", action="store_true", help="also " + ", ".join(ABLATIONS).replace("%", "%%")
+    )
     ap.add_argument("--out", default="reports/vision_offline")
     a = ap.parse_args(argv)
     out = Path(a.out)

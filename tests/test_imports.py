@@ -95,3 +95,30 @@ def test_every_module_imports_alone():
     with ctx.Pool(2) as pool:
         failures = [f for f in pool.map(_import_alone, MODULES) if f]
     assert not failures, failures
+
+
+def test_benchmark_scripts_import_and_print_their_help():
+    """Every script in benchmarks/ imports (no module it names is gone) and prints its --help,
+    all in one fresh interpreter with benchmarks/ as the working folder, as a user runs them.
+    """
+    import subprocess
+
+    folder = PACKAGE.parent / "benchmarks"
+    scripts = sorted(p.name for p in folder.glob("*.py") if not p.name.startswith("_"))
+    assert scripts, "no benchmark scripts found"
+    code = (
+        "import runpy, sys\n"
+        "sys.path.insert(0, '.')\n"
+        f"for name in {scripts!r}:\n"
+        "    sys.argv = [name, '--help']\n"
+        "    try:\n"
+        "        runpy.run_path(name, run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, None), (name, e.code)\n"
+        "    else:\n"
+        "        raise AssertionError(name + ' did not parse --help')\n"
+        "    print('ok', name)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("ok ") == len(scripts)
