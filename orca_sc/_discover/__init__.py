@@ -114,6 +114,7 @@ def discover(
     calibration = cells.calibration
     pca_cells = _once_per_cell_set(pca_of)
     lab, maxcos = labels >= 0, seen_similarity.max(axis=1)
+    predicted = seen_similarity.argmax(axis=1)  # the seen head that scores each cell best
     ev = _label_evidence(lab, domain, pca_cells, cfg, domain_names)
     # batches without any labelled cell (a separate query): candidates are voted per cluster
     query = ~np.isin(domain, np.unique(domain[lab]))
@@ -131,7 +132,7 @@ def discover(
     cell_tau, shift_said, pvalues, votes = None, [], None, []
     if per_type:
         cell_tau, record = type_thresholds(
-            maxcos, seen_similarity.argmax(axis=1), labels, held_out, query, domain, tau,
+            maxcos, predicted, labels, held_out, query, domain, tau,
             cfg.novelty_alpha,
         )  # fmt: skip
         shifts = {domain_names[d]: v for d, v in record["query_shift"].items()}
@@ -143,7 +144,7 @@ def discover(
                                  cells_for_quantile(cfg.novelty_alpha))  # fmt: skip
         if cfg.query_vote == "either" and query.any():
             pvalues = query_pvalues(
-                maxcos, seen_similarity.argmax(axis=1), labels, held_out, domain,
+                maxcos, predicted, labels, held_out, domain,
                 np.flatnonzero(query), record["query_shift"], cells_for_quantile(cfg.novelty_alpha),
             )  # fmt: skip
     assign, sizes, tau = ood_clusters(
