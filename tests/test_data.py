@@ -759,3 +759,25 @@ def test_a_known_type_with_few_labelled_cells_is_merged_as_with_many():
     assert raw_few < 0.8 <= raw_every  # uncorrected, a dozen labels would keep type_0 novel
     assert [(j, k) for j, k, _ in merged_few] == [(0, 0)] == [(j, k) for j, k, _ in merged_every]
     assert abs(merged_few[0][2] - merged_every[0][2]) < 0.1
+
+
+def test_aligned_rows_are_the_affine_transform_of_each_batch_and_leave_x_alone():
+    """``x * scale[batch] + offset[batch]`` for the asked rows, exactly (the same IEEE products
+    and sums as NumPy's), with a scale of 1 or an offset of 0 skipped; ``X`` is not written to.
+    """
+    from orca_sc._align import aligned_rows
+
+    rng = np.random.default_rng(0)
+    X = sp.random(300, 50, density=0.3, format="csr", dtype=np.float32, random_state=1)
+    before = X.copy()
+    domain = rng.integers(0, 3, 300)
+    rows = rng.choice(300, 80, replace=False)
+    dense = X[rows].toarray()
+    ones, zeros = np.ones((3, 50), np.float32), np.zeros((3, 50), np.float32)
+    scale = rng.uniform(0.5, 2, (3, 50)).astype(np.float32)
+    offset = rng.normal(size=(3, 50)).astype(np.float32)
+    for s, o in ((ones, zeros), (ones, offset), (scale, zeros), (scale, offset)):
+        got = aligned_rows(X, domain, s, o, rows)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, dense * s[domain[rows]] + o[domain[rows]])
+    assert (X != before).nnz == 0
