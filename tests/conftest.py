@@ -1,3 +1,4 @@
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -85,6 +86,25 @@ def small_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("small_run") / "model.pt"
     orca_sc.tl.annotate(a, labels_key="lab", save_model=path, **FAST)
     return SmallRun(a, path)
+
+
+def computed_once(tmp_path_factory, name: str, compute) -> Any:
+    """``compute(folder)``'s JSON-able result, made once per test session and read by every
+    pytest-xdist worker that asks for it (a lock file in the session's shared temporary folder;
+    with work stealing a module's tests can land on both workers).
+    """
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # one folder for the session's workers
+    path = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            result = compute(tmp_path_factory.mktemp(name))
+            path.write_text(json.dumps(result))
+        return json.loads(path.read_text())
 
 
 #: tests that check labels only: the novelty test's cross-fitted warm-ups run after the fit and

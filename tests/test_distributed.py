@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.distributed as dist
+from conftest import computed_once
 
 import orca_sc
 from orca_sc._dist import BatchShard, Comm
@@ -21,7 +22,11 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 @pytest.fixture(scope="module")
 def ddp_result(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp")
+    """The worker's report, made once per session (:func:`conftest.computed_once`)."""
+    return computed_once(tmp_path_factory, "ddp", _run_ddp_worker)
+
+
+def _run_ddp_worker(tmp: Path) -> dict:
     a = orca_sc.datasets.simulate(2400, 800, 7, library_size=800, seed=1)
     a.obs["cell_type"] = a.obs["cell_type"].astype(str)
     in_ref = np.random.default_rng(0).random(a.n_obs) < 0.5
