@@ -70,7 +70,7 @@ class DiscoveryConfig:
     query_resolution
         Leiden resolution of a batch without labelled cells (a separate query).
     query_vote
-        How a cluster of a batch without labelled cells becomes a candidate: ``"share"``, by its share of out-of-distribution cells (below); ``"either"`` (measured, not the default: docs/discovery.md), also where its cells score below the unseen labelled cells of the known types whose heads claim them (each cell's conformal p-value against that type's cross-fitted cosines, shifted by the batch; the cluster's mean p at most 0.36, a medium effect, and below 1/2 by a one-sided test at level 0.01 over the batch's clusters; needs the cross-fitted cosines: ``novelty_folds`` >= 2 and ``cross_fit_threshold="per_type"``).
+        How a cluster of a batch without labelled cells becomes a candidate. ``"share"`` (the default): by its share of out-of-distribution cells (below). ``"either"`` (measured, not the default: docs/discovery.md): also where its cells score below the unseen labelled cells of the known type whose head claims them (each cell's conformal p-value against that type's cross-fitted cosines, shifted by the batch; the cluster's mean p at most 0.36, a medium effect, and below 1/2 by a one-sided test at level 0.01 over the batch's clusters; needs the cross-fitted cosines: ``novelty_folds`` >= 2 and ``cross_fit_threshold="per_type"``). ``"contrast"`` (measured, not the default): as ``"either"``, but such a cluster's cells must also score below the type's cells in the batch's clusters that the conformal vote leaves (one-sided Mann-Whitney at the same level, a medium effect), so a known type that the batch shifts as a whole is not taken; without the cross-fitted cosines it is the share vote.
     query_min_fraction
         A query cluster is a candidate when this share of its cells is out-of-distribution ...
     query_min_enrichment
@@ -188,8 +188,8 @@ class DiscoveryConfig:
                 '"none" or "per_type" when novelty_folds=0 (the cap reads the cross-fitted '
                 "warm-ups; set novelty_folds >= 2)",
             )  # fmt: skip
-        if self.query_vote not in ("either", "share"):
-            _invalid("query_vote", self.query_vote, '"either" or "share"')
+        if self.query_vote not in ("either", "contrast", "share"):
+            _invalid("query_vote", self.query_vote, '"contrast", "either" or "share"')
         if self.query_vote == "either" and (folds == 0 or self.cross_fit_threshold != "per_type"):
             _invalid(
                 "query_vote", self.query_vote,

@@ -215,6 +215,11 @@ def test_config_validation():
     ):
         with pytest.raises(ValueError, match="query_vote.*novelty_folds >= 2"):
             orca_sc.DiscoveryConfig(query_vote="either", **bad)
+    # the contrast vote falls back to the share vote without them, as the per-type threshold
+    # falls back to the in-sample rule
+    assert orca_sc.DiscoveryConfig(query_vote="contrast", novelty_folds=0).novelty_folds == 0
+    with pytest.raises(ValueError, match='"contrast", "either" or "share"'):
+        orca_sc.DiscoveryConfig(query_vote="conformal")
     # the per-type threshold needs the folds too, but without them it falls back to the
     # in-sample rule (novelty_folds=0 is how a user skips the warm-ups); the booleans of
     # models saved by 0.2.0 still load, True as the cap and False as the in-sample rule

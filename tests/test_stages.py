@@ -703,6 +703,64 @@ def test_conformal_query_vote_needs_an_effect_and_enough_cells():
     assert conformal_vote(np.full(40, 0.2), 10)[0]
 
 
+def test_contrast_vote_compares_a_cluster_with_its_type_in_the_same_batch():
+    """The contrast vote asks whether a cluster's cells score below the batch's other cells of
+    the type that claims them: a novel type under a known type's head does (its p-values low,
+    the type's own cells uniform); one half of a known type shifted as a whole does not (both
+    halves alike); a type with no other cells in the batch cannot be compared, so no; and a
+    small effect is not enough however many cells show it.
+    """
+    from orca_sc._discover.ood import QUERY_MEAN_P, contrast_vote
+
+    rng = np.random.default_rng(3)
+    claimed = np.zeros(500, int)
+    inside = np.r_[np.ones(100, bool), np.zeros(400, bool)]
+    novel = np.r_[rng.uniform(0, 0.4, 100), rng.uniform(0, 1, 400)]
+    take, auc = contrast_vote(novel, claimed, inside, 10, 20)
+    assert take and auc <= QUERY_MEAN_P
+    shifted = rng.uniform(0, 0.4, 500)  # the whole type scores low: halves alike
+    take, auc = contrast_vote(shifted, claimed, inside, 10, 20)
+    assert not take and auc == pytest.approx(0.5, abs=0.1)
+    alone = np.r_[np.zeros(100, int), np.ones(400, int)]  # type 0 only in the cluster
+    assert contrast_vote(novel, alone, inside, 10, 20) == (False, None)
+    big = np.r_[np.ones(20_000, bool), np.zeros(20_000, bool)]
+    slight = np.r_[rng.uniform(0, 0.9, 20_000), rng.uniform(0, 1, 20_000)]
+    take, auc = contrast_vote(slight, np.zeros(40_000, int), big, 10, 20)
+    assert not take and auc == pytest.approx(0.45, abs=0.02)
+
+
+def test_contrast_query_vote_leaves_a_type_the_batch_shifts_as_a_whole():
+    """With each cell's claiming type, the conformal vote also needs the cluster to score below
+    the batch's other cells of that type, in the clusters the conformal vote leaves: two novel
+    clusters that type 0's head claims beside type 0's own cells are both taken (neither is the
+    other's comparison, though the larger would hide the smaller); a known type the batch
+    shifts as a whole (every cell low against its labelled cells, no other cell of it in the
+    batch) is taken by the either vote and not by the contrast vote. The comparison is
+    recorded.
+    """
+    from orca_sc._discover import query_ood_clusters
+    from orca_sc._discover.ood import contrast_vote
+
+    rng = np.random.default_rng(0)
+    n = {"N": 80, "M": 400, "K": 150, "W": 120}
+    centers = {t: 10.0 * np.eye(4)[i] for i, t in enumerate(n)}
+    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 4)) for t in n])
+    truth = np.repeat(list(n), list(n.values()))
+    p = np.where(truth == "K", rng.uniform(0, 1, truth.size), rng.uniform(0, 0.4, truth.size))
+    claimed = np.where(truth == "W", 1, 0)
+    ood = rng.random(truth.size) < 0.05  # the share vote takes nothing
+    args = (ood, np.arange(truth.size), np.zeros(truth.size, int), lambda idx: emb[idx])
+    either = query_ood_clusters(*args, resolution=0.2, pvalues=p)
+    assert sorted(pd.Series(truth[g]).mode()[0] for g in either) == ["M", "N", "W"]
+    votes: list[dict] = []
+    contrast = query_ood_clusters(*args, resolution=0.2, pvalues=p, claimed=claimed, votes=votes)
+    assert sorted(pd.Series(truth[g]).mode()[0] for g in contrast) == ["M", "N"]
+    compared = [v["contrast_auc"] for v in votes if v["contrast_auc"] is not None]
+    assert len(votes) == 4 and len(compared) == 2 and max(compared) < 0.36
+    # against every other cell of type 0, the 80-cell cluster would not be taken
+    assert not contrast_vote(p, claimed, truth == "N", 4, 20)[0]
+
+
 def test_query_votes_take_a_cluster_either_vote_takes():
     """A cluster is a candidate by its share of out-of-distribution cells or, where its cells
     have p-values, by the conformal vote: a novel cluster with few flagged cells but low

@@ -31,7 +31,7 @@ on at most ``DiscoveryConfig.max_cells`` cells.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -142,7 +142,7 @@ def discover(
                     "shift_kept": kept}  # fmt: skip
         shift_said = shift_notes(record, domain_names, cells.class_names,
                                  cells_for_quantile(cfg.novelty_alpha))  # fmt: skip
-        if cfg.query_vote == "either" and query.any():
+        if cfg.query_vote != "share" and query.any():
             pvalues = query_pvalues(
                 maxcos, predicted, labels, held_out, domain,
                 np.flatnonzero(query), record["query_shift"], cells_for_quantile(cfg.novelty_alpha),
@@ -154,7 +154,8 @@ def discover(
     )  # fmt: skip
     # the same cells below their threshold as in ood_clusters, before its include/exclude
     ood = maxcos < (tau if cell_tau is None else cell_tau)
-    groups = _query_candidates(ood, query, domain, pca_cells, cfg, seed, pvalues, votes)
+    claimed = predicted if cfg.query_vote == "contrast" and pvalues is not None else None
+    groups = _query_candidates(ood, query, domain, pca_cells, cfg, seed, pvalues, votes, claimed)
     if query.any():
         names = domain_names or [str(d) for d in range(int(domain.max()) + 1)]
         tau_info = {**tau_info, "query_votes": {
@@ -162,6 +163,10 @@ def discover(
             "mean_p": [np.nan if v["mean_p"] is None else v["mean_p"] for v in votes],
             "candidate": [v["candidate"] for v in votes],
         }}  # fmt: skip
+        if claimed is not None:
+            tau_info["query_votes"]["contrast_auc"] = [
+                np.nan if v["contrast_auc"] is None else v["contrast_auc"] for v in votes
+            ]
     assign, sizes = _rank_by_size(assign, sizes, groups)
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
@@ -172,7 +177,8 @@ def discover(
         prior=heads.prior, anchor_cells=np.flatnonzero(heads.core),
         anchor_heads=n_seen + assign[heads.core], threshold=tau,
         diagnostics=_diagnostics(sizes, ev, domain_names, (resolution, scores), heads, groups,
-                                 bool(query.any()), tau_info, calib, cfg),
+                                 bool(query.any()), tau_info, calib,
+                                 cfg if pvalues is not None else replace(cfg, query_vote="share")),
         notes=tuple(_notes(labels, n_seen, int(calib.sum()), cfg) + shift_said),
     )  # fmt: skip
 

@@ -114,11 +114,16 @@ def _method(resolution: float, has_query: bool, cfg: DiscoveryConfig) -> str:
             f"at least {cfg.query_min_fraction:.0%} (or {cfg.query_min_enrichment:g}x the "
             "batch's share) of such cells"
         )
-        if cfg.query_vote == "either":
+        if cfg.query_vote != "share":
             share += (
                 ", or whose cells score below the cross-fitted cosines of the known types that "
                 f"claim them (mean conformal p <= {QUERY_MEAN_P:g}, below 1/2 at level "
                 f"{QUERY_LEVEL:g})"
+            )
+        if cfg.query_vote == "contrast":
+            share += (
+                " and below that type's cells in the batch's clusters this leaves "
+                f"(Mann-Whitney at level {QUERY_LEVEL:g}, P(above) <= {QUERY_MEAN_P:g})"
             )
         text += (
             f"; in batches without labels, Leiden clusters (resolution "

@@ -286,6 +286,40 @@ def conformal_vote(p: np.ndarray, n_clusters: int) -> tuple[bool, float]:
     return bool(mean <= QUERY_MEAN_P and pval <= QUERY_LEVEL / max(n_clusters, 1)), mean
 
 
+def contrast_vote(
+    p: np.ndarray,
+    claimed: np.ndarray,
+    inside: np.ndarray,
+    n_clusters: int,
+    min_cells: int,
+    outside: np.ndarray | None = None,
+) -> tuple[bool, float | None]:
+    """Whether a cluster's cells score below the batch's other cells of the known type that
+    claims most of them: the conformal p-values ``p`` (:func:`query_pvalues`, finite) of the
+    cluster's cells (``inside``) claimed by that type are lower than those of the type's cells
+    in ``outside`` (default: every cell not inside; the query vote passes the cells of the
+    clusters that the conformal vote does not flag, so that other novel clusters under the same
+    head are not the comparison), by a one-sided Mann-Whitney test at :data:`QUERY_LEVEL` /
+    ``n_clusters`` with at least a medium effect (the probability that a cluster cell's p is
+    above an outside cell's at most :data:`QUERY_MEAN_P`). A known type whose cells the batch
+    shifts as a whole scores below its labelled cells but not below itself; a novel type that a
+    known type's head claims scores below that type's own cells in the batch. Where the type
+    has fewer than ``min_cells`` cells on either side there is nothing to compare with: no.
+    Returns the decision and the probability (``None``: not compared).
+    """
+    from scipy.stats import mannwhitneyu
+
+    types, counts = np.unique(claimed[inside], return_counts=True)
+    t = types[np.argmax(counts)]
+    outside = ~inside if outside is None else outside & ~inside
+    x, y = p[inside & (claimed == t)], p[outside & (claimed == t)]
+    if x.size < min_cells or y.size < min_cells:
+        return False, None
+    res = mannwhitneyu(x, y, alternative="less")
+    auc = float(res.statistic) / (x.size * y.size)
+    return bool(auc <= QUERY_MEAN_P and res.pvalue <= QUERY_LEVEL / max(n_clusters, 1)), auc
+
+
 def query_ood_clusters(
     ood: np.ndarray,
     cells: np.ndarray,
@@ -300,6 +334,7 @@ def query_ood_clusters(
     pvalues: np.ndarray | None = None,
     min_cells: int = cells_for_quantile(_DEFAULTS.novelty_alpha),
     votes: list[dict] | None = None,
+    claimed: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """Candidate novel clusters of batches without labelled cells, decided per cluster.
 
@@ -315,9 +350,12 @@ def query_ood_clusters(
     with at least ``min_cells`` of them is also one when :func:`conformal_vote` says its cells
     score below the labelled cells. The share vote reads a threshold that follows how closely
     the warm-up fitted its labelled cells, which falls as the data grow; the conformal vote
-    reads the cells' scores against labelled cells no net trained on, so it does not.
-    ``votes``: a list to which each cluster's size, mean p-value (``None``: none) and decision
-    are appended. Returns the index arrays of the candidates' cells.
+    reads the cells' scores against labelled cells no net trained on, so it does not. With
+    ``claimed`` (each cell's best seen head), such a cluster must also score below the cells of
+    the type that claims it in the batch's clusters the conformal vote does not flag
+    (:func:`contrast_vote`). ``votes``: a list to which each cluster's size, mean p-value and
+    contrast probability (``None``: none) and decision are appended. Returns the index arrays
+    of the candidates' cells.
     """
     found: list[np.ndarray] = []
     for d in np.unique(domain[cells]):  # loop over batches, not cells
@@ -327,25 +365,37 @@ def query_ood_clusters(
         codes = leiden(pca_of(idx), resolution, seed, n_neighbors=n_neighbors)
         overall = ood[idx].mean()
         clusters = np.unique(codes)
+        # the conformal vote of each cluster first: the contrast compares a flagged cluster
+        # with its type's cells in the clusters this vote leaves
+        conformal = {}
+        for c in clusters:
+            pc = None if pvalues is None else pvalues[idx[codes == c]]
+            if pc is not None and np.isfinite(pc).sum() >= min_cells:
+                conformal[c] = conformal_vote(pc[np.isfinite(pc)], clusters.size)
+        flagged = np.isin(codes, [c for c, (low, _) in conformal.items() if low])
         for c in clusters:
             m = idx[codes == c]
             frac = ood[m].mean()
             take = bool(frac >= min_fraction or frac >= min_enrichment * overall)
-            mean = None
-            pc = None if pvalues is None else pvalues[m]
-            if pc is not None and np.isfinite(pc).sum() >= min_cells:
-                low, mean = conformal_vote(pc[np.isfinite(pc)], clusters.size)
-                take = take or low
+            low, mean = conformal.get(c, (False, None))
+            auc = None
+            if low and claimed is not None:
+                fin = np.isfinite(pvalues[idx])
+                low, auc = contrast_vote(
+                    pvalues[idx][fin], claimed[idx][fin], (codes == c)[fin], clusters.size,
+                    min_cells, outside=~flagged[fin],
+                )  # fmt: skip
+            take = take or low
             if votes is not None:
                 votes.append({"batch": int(d), "cells": int(m.size), "mean_p": mean,
-                              "candidate": take})  # fmt: skip
+                              "contrast_auc": auc, "candidate": take})  # fmt: skip
             if take:
                 found.append(m)
     return found
 
 
 def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryConfig, seed: int,
-                      pvalues=None, votes=None) -> list[np.ndarray]:  # fmt: skip
+                      pvalues=None, votes=None, claimed=None) -> list[np.ndarray]:  # fmt: skip
     """Candidates of the batches without labelled cells (none when there are none)."""
     if not query.any():
         return []
@@ -354,6 +404,7 @@ def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryConfig, seed:
         min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
         resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
         pvalues=pvalues, min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes,
+        claimed=claimed,
     )  # fmt: skip
 
 
