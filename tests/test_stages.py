@@ -716,16 +716,16 @@ def test_contrast_vote_compares_a_cluster_with_its_type_in_the_same_batch():
     claimed = np.zeros(500, int)
     inside = np.r_[np.ones(100, bool), np.zeros(400, bool)]
     novel = np.r_[rng.uniform(0, 0.4, 100), rng.uniform(0, 1, 400)]
-    take, auc = contrast_vote(novel, claimed, inside, 10, 20)
+    take, auc = contrast_vote(novel, claimed, inside, ~inside, 10, 20)
     assert take and auc <= QUERY_MEAN_P
     shifted = rng.uniform(0, 0.4, 500)  # the whole type scores low: halves alike
-    take, auc = contrast_vote(shifted, claimed, inside, 10, 20)
+    take, auc = contrast_vote(shifted, claimed, inside, ~inside, 10, 20)
     assert not take and auc == pytest.approx(0.5, abs=0.1)
     alone = np.r_[np.zeros(100, int), np.ones(400, int)]  # type 0 only in the cluster
-    assert contrast_vote(novel, alone, inside, 10, 20) == (False, None)
+    assert contrast_vote(novel, alone, inside, ~inside, 10, 20) == (False, None)
     big = np.r_[np.ones(20_000, bool), np.zeros(20_000, bool)]
     slight = np.r_[rng.uniform(0, 0.9, 20_000), rng.uniform(0, 1, 20_000)]
-    take, auc = contrast_vote(slight, np.zeros(40_000, int), big, 10, 20)
+    take, auc = contrast_vote(slight, np.zeros(40_000, int), big, ~big, 10, 20)
     assert not take and auc == pytest.approx(0.45, abs=0.02)
 
 
@@ -758,7 +758,7 @@ def test_contrast_query_vote_leaves_a_type_the_batch_shifts_as_a_whole():
     compared = [v["contrast_auc"] for v in votes if v["contrast_auc"] is not None]
     assert len(votes) == 4 and len(compared) == 2 and max(compared) < 0.36
     # against every other cell of type 0, the 80-cell cluster would not be taken
-    assert not contrast_vote(p, claimed, truth == "N", 4, 20)[0]
+    assert not contrast_vote(p, claimed, truth == "N", truth != "N", 4, 20)[0]
 
 
 def test_query_votes_take_a_cluster_either_vote_takes():

@@ -290,16 +290,15 @@ def contrast_vote(
     p: np.ndarray,
     claimed: np.ndarray,
     inside: np.ndarray,
+    outside: np.ndarray,
     n_clusters: int,
     min_cells: int,
-    outside: np.ndarray | None = None,
 ) -> tuple[bool, float | None]:
     """Whether a cluster's cells score below the batch's other cells of the known type that
     claims most of them: the conformal p-values ``p`` (:func:`query_pvalues`, finite) of the
     cluster's cells (``inside``) claimed by that type are lower than those of the type's cells
-    in ``outside`` (default: every cell not inside; the query vote passes the cells of the
-    clusters that the conformal vote does not flag, so that other novel clusters under the same
-    head are not the comparison), by a one-sided Mann-Whitney test at :data:`QUERY_LEVEL` /
+    in ``outside`` (the query vote passes the cells of the clusters that the conformal vote
+    does not flag, so that other novel clusters under the same head are not the comparison), by a one-sided Mann-Whitney test at :data:`QUERY_LEVEL` /
     ``n_clusters`` with at least a medium effect (the probability that a cluster cell's p is
     above an outside cell's at most :data:`QUERY_MEAN_P`). A known type whose cells the batch
     shifts as a whole scores below its labelled cells but not below itself; a novel type that a
@@ -311,8 +310,7 @@ def contrast_vote(
 
     types, counts = np.unique(claimed[inside], return_counts=True)
     t = types[np.argmax(counts)]
-    outside = ~inside if outside is None else outside & ~inside
-    x, y = p[inside & (claimed == t)], p[outside & (claimed == t)]
+    x, y = p[inside & (claimed == t)], p[outside & ~inside & (claimed == t)]
     if x.size < min_cells or y.size < min_cells:
         return False, None
     res = mannwhitneyu(x, y, alternative="less")
@@ -372,7 +370,10 @@ def query_ood_clusters(
             pc = None if pvalues is None else pvalues[idx[codes == c]]
             if pc is not None and np.isfinite(pc).sum() >= min_cells:
                 conformal[c] = conformal_vote(pc[np.isfinite(pc)], clusters.size)
-        flagged = np.isin(codes, [c for c, (low, _) in conformal.items() if low])
+        if claimed is not None and conformal:  # the contrast reads the finite p-values only
+            fin = np.isfinite(pvalues[idx])
+            p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
+            leaves = ~np.isin(codes_fin, [c for c, (low, _) in conformal.items() if low])
         for c in clusters:
             m = idx[codes == c]
             frac = ood[m].mean()
@@ -380,11 +381,8 @@ def query_ood_clusters(
             low, mean = conformal.get(c, (False, None))
             auc = None
             if low and claimed is not None:
-                fin = np.isfinite(pvalues[idx])
-                low, auc = contrast_vote(
-                    pvalues[idx][fin], claimed[idx][fin], (codes == c)[fin], clusters.size,
-                    min_cells, outside=~flagged[fin],
-                )  # fmt: skip
+                low, auc = contrast_vote(p_fin, claimed_fin, codes_fin == c, leaves, clusters.size,
+                                         min_cells)  # fmt: skip
             take = take or low
             if votes is not None:
                 votes.append({"batch": int(d), "cells": int(m.size), "mean_p": mean,
