@@ -309,6 +309,10 @@ def test_grow_task_mix_draws_new_cells_of_each_type_at_the_same_depth(sim):
     np.testing.assert_array_equal(g.truth[2 * t.query.n_obs :], t.truth)
     with pytest.raises(OrcaInputError, match="mode"):
         B.grow_task(t, 1000, mode="copy")
+    # the large tier's grown tasks are drawn this way (copies make the kNN graph a union of cliques)
+    from orca_sc.benchmark._suite import _grown
+
+    assert _grown(lambda seed: t, 1000, 0).info["grown"]["mode"] == "mix"
 
 
 # ------------------------------------------------------------------ the suite's hard corners

@@ -57,6 +57,7 @@ from .labels import (
 from .naming import match_known_types, match_novel_across_batches, name_heads
 from .no_warmup import discover_without_warmup, estimate_n_novel, novel_clusters
 from .ood import (
+    ContrastBar,
     _query_candidates,
     _rank_by_size,
     calibration_split,
@@ -65,7 +66,9 @@ from .ood import (
     ood_threshold,
     query_ood_clusters,
     query_pvalues,
+    reference_gaps,
     shift_notes,
+    type_spread,
     type_thresholds,
 )
 from .scale import size_check
@@ -155,18 +158,34 @@ def discover(
     # the same cells below their threshold as in ood_clusters, before its include/exclude
     ood = maxcos < (tau if cell_tau is None else cell_tau)
     claimed = predicted if cfg.query_vote == "contrast" and pvalues is not None else None
-    groups = _query_candidates(ood, query, domain, pca_cells, cfg, seed, pvalues, votes, claimed)
+    bar = None
+    if claimed is not None:  # how far below its type a piece of a labelled type sits
+        spread = type_spread(held_out, labels, seen_similarity.shape[1])
+        bar = ContrastBar(maxcos, spread, reference_gaps(
+            held_out, labels, domain, np.flatnonzero(lab & np.isfinite(held_out)), pca_cells,
+            spread, resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
+            min_cells=cells_for_quantile(cfg.novelty_alpha),
+        ))  # fmt: skip
+    groups = _query_candidates(ood, query, domain, pca_cells, cfg, seed, pvalues, votes, claimed,
+                               bar)  # fmt: skip
     if query.any():
         names = domain_names or [str(d) for d in range(int(domain.max()) + 1)]
         tau_info = {**tau_info, "query_votes": {
             "batch": [names[v["batch"]] for v in votes], "cells": [v["cells"] for v in votes],
             "mean_p": [np.nan if v["mean_p"] is None else v["mean_p"] for v in votes],
-            "candidate": [v["candidate"] for v in votes],
+            "share": [v["share"] for v in votes], "candidate": [v["candidate"] for v in votes],
         }}  # fmt: skip
         if claimed is not None:
             tau_info["query_votes"]["contrast_auc"] = [
                 np.nan if v["contrast_auc"] is None else v["contrast_auc"] for v in votes
             ]
+            tau_info["query_votes"]["gap"] = [
+                np.nan if v["gap"] is None else v["gap"] for v in votes
+            ]
+            tau_info["contrast_bar"] = {
+                "labelled_pieces": int(bar.gaps.size),
+                "max_gap": float(bar.gaps[-1]) if bar.gaps.size else None,
+            }
     assign, sizes = _rank_by_size(assign, sizes, groups)
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,

@@ -123,7 +123,9 @@ def _method(resolution: float, has_query: bool, cfg: DiscoveryConfig) -> str:
         if cfg.query_vote == "contrast":
             share += (
                 " and below that type's cells in the batch's clusters this leaves "
-                f"(Mann-Whitney at level {QUERY_LEVEL:g}, P(above) <= {QUERY_MEAN_P:g})"
+                f"(Mann-Whitney at level {QUERY_LEVEL:g}, P(above) <= {QUERY_MEAN_P:g}), "
+                "further (median cosine) than any Leiden piece of a labelled type sits below the "
+                "rest of its type (estimate['contrast_bar'])"
             )
         text += (
             f"; in batches without labels, Leiden clusters (resolution "

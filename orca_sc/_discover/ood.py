@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -286,6 +287,22 @@ def conformal_vote(p: np.ndarray, n_clusters: int) -> tuple[bool, float]:
     return bool(mean <= QUERY_MEAN_P and pval <= QUERY_LEVEL / max(n_clusters, 1)), mean
 
 
+def _mode(values: np.ndarray) -> int:
+    """The most common value (the smallest of those tied)."""
+    types, counts = np.unique(values, return_counts=True)
+    return int(types[np.argmax(counts)])
+
+
+def _auc_below(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """The probability that an ``x`` is above a ``y`` (ties count half) and the one-sided
+    Mann-Whitney p-value that the ``x`` are lower.
+    """
+    from scipy.stats import mannwhitneyu
+
+    res = mannwhitneyu(x, y, alternative="less")
+    return float(res.statistic) / (x.size * y.size), float(res.pvalue)
+
+
 def contrast_vote(
     p: np.ndarray,
     claimed: np.ndarray,
@@ -306,16 +323,100 @@ def contrast_vote(
     has fewer than ``min_cells`` cells on either side there is nothing to compare with: no.
     Returns the decision and the probability (``None``: not compared).
     """
-    from scipy.stats import mannwhitneyu
-
-    types, counts = np.unique(claimed[inside], return_counts=True)
-    t = types[np.argmax(counts)]
+    t = _mode(claimed[inside])
     x, y = p[inside & (claimed == t)], p[outside & ~inside & (claimed == t)]
     if x.size < min_cells or y.size < min_cells:
         return False, None
-    res = mannwhitneyu(x, y, alternative="less")
-    auc = float(res.statistic) / (x.size * y.size)
-    return bool(auc <= QUERY_MEAN_P and res.pvalue <= QUERY_LEVEL / max(n_clusters, 1)), auc
+    auc, pval = _auc_below(x, y)
+    return bool(auc <= QUERY_MEAN_P and pval <= QUERY_LEVEL / max(n_clusters, 1)), auc
+
+
+def type_spread(held_out: np.ndarray, labels: np.ndarray, n_types: int) -> np.ndarray:
+    """Each known type's spread: the interquartile range of its labelled cells' cross-fitted
+    cosines (NaN where it has none), the unit of :func:`cosine_gap`.
+    """
+    out = np.full(n_types, np.nan)
+    fin = np.isfinite(held_out) & (labels >= 0)
+    for t in np.unique(labels[fin]):  # loop over types
+        q75, q25 = np.quantile(held_out[fin & (labels == t)], [0.75, 0.25])
+        out[t] = q75 - q25
+    return out
+
+
+def cosine_gap(inside: np.ndarray, outside: np.ndarray, spread: float) -> float:
+    """How far the cosines ``inside`` sit below ``outside``: the difference of their medians in
+    units of the type's ``spread`` (:func:`type_spread`). Unlike a rank statistic it does not
+    stop at "every cell below": a cluster far below its type scores higher than one just below.
+    """
+    diff = float(np.median(outside) - np.median(inside))
+    return diff / spread if spread > 0 else (math.inf if diff > 0 else 0.0)
+
+
+@dataclass(frozen=True)
+class ContrastBar:
+    """What the contrast vote's cluster must exceed: ``cosine`` (each cell's best seen-head
+    cosine), ``spread`` (:func:`type_spread`) and ``gaps`` (:func:`reference_gaps`, sorted; empty:
+    no labelled piece to compare with, no bar).
+    """
+
+    cosine: np.ndarray
+    spread: np.ndarray
+    gaps: np.ndarray
+
+    def passes(self, inside: np.ndarray, outside: np.ndarray, t: int) -> tuple[bool, float]:
+        """Whether the cells ``inside`` sit further below ``outside`` (cosines of type ``t``'s
+        cells) than any labelled piece below the rest of its type; and the gap.
+        """
+        gap = cosine_gap(self.cosine[inside], self.cosine[outside], float(self.spread[t]))
+        return bool(self.gaps.size == 0 or gap > self.gaps[-1]), gap
+
+
+def reference_gaps(
+    held_out: np.ndarray,
+    labels: np.ndarray,
+    domain: np.ndarray,
+    cells: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    spread: np.ndarray,
+    *,
+    resolution: float = _DEFAULTS.query_resolution,
+    seed: int = 0,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+    min_cells: int = cells_for_quantile(_DEFAULTS.novelty_alpha),
+) -> np.ndarray:
+    """How far pieces of known types sit below the rest of their type, found as a query batch's
+    are: the labelled cells ``cells`` (each with a cross-fitted cosine ``held_out``) of each
+    batch clustered as a query batch is (Leiden on ``pca_of`` of the batch's cells at
+    ``resolution``), each cluster voted by :func:`conformal_vote` on its cells' p-values (their
+    rank among their type's cross-fitted cosines), and for each cluster the :func:`cosine_gap`
+    of its cells of its most common type against that type's cells in the other clusters the
+    vote leaves. A piece of a labelled type is a known type by definition, so the largest of
+    these is how far below its type a piece of a known type can sit here: the bar a query
+    cluster's gap must clear. Clusters with fewer than ``min_cells`` cells of the type on either
+    side are left out. Returns the gaps, sorted.
+    """
+    p = np.full(held_out.shape[0], np.nan)
+    for t in np.unique(labels[cells]):  # loop over types: p = #{j: h_j <= h_i} / n
+        rows = cells[labels[cells] == t]
+        p[rows] = np.searchsorted(np.sort(held_out[rows]), held_out[rows], side="right") / rows.size
+    out: list[float] = []
+    for d in np.unique(domain[cells]):  # loop over batches, not cells
+        idx = cells[domain[cells] == d]
+        if idx.size < 2 * min_cells:
+            continue
+        codes = leiden(pca_of(idx), resolution, seed, n_neighbors=n_neighbors)
+        lab, cos, pd_ = labels[idx], held_out[idx], p[idx]
+        clusters = np.unique(codes)
+        low = [c for c in clusters
+               if (codes == c).sum() >= min_cells and conformal_vote(pd_[codes == c], clusters.size)[0]]  # fmt: skip
+        leaves = ~np.isin(codes, low)
+        for c in clusters:  # loop over clusters
+            inside = codes == c
+            t = _mode(lab[inside])
+            x, y = cos[inside & (lab == t)], cos[leaves & ~inside & (lab == t)]
+            if x.size >= min_cells and y.size >= min_cells:
+                out.append(cosine_gap(x, y, float(spread[t])))
+    return np.sort(np.asarray(out, dtype=float))
 
 
 def query_ood_clusters(
@@ -333,6 +434,7 @@ def query_ood_clusters(
     min_cells: int = cells_for_quantile(_DEFAULTS.novelty_alpha),
     votes: list[dict] | None = None,
     claimed: np.ndarray | None = None,
+    bar: ContrastBar | None = None,
 ) -> list[np.ndarray]:
     """Candidate novel clusters of batches without labelled cells, decided per cluster.
 
@@ -351,9 +453,12 @@ def query_ood_clusters(
     reads the cells' scores against labelled cells no net trained on, so it does not. With
     ``claimed`` (each cell's best seen head), such a cluster must also score below the cells of
     the type that claims it in the batch's clusters the conformal vote does not flag
-    (:func:`contrast_vote`). ``votes``: a list to which each cluster's size, mean p-value and
-    contrast probability (``None``: none) and decision are appended. Returns the index arrays
-    of the candidates' cells.
+    (:func:`contrast_vote`), and with ``bar`` sit further below them than any piece of a
+    labelled type sits below the rest of its type (:class:`ContrastBar`, :func:`reference_gaps`):
+    a known-type cluster exchangeable with the labelled pieces clears it with a chance of at
+    most ``1 / (pieces + 1)``. ``votes``: a list to which each cluster's size, mean p-value,
+    contrast probability and gap (``None``: not compared), the share vote's decision and the
+    decision are appended. Returns the index arrays of the candidates' cells.
     """
     found: list[np.ndarray] = []
     for d in np.unique(domain[cells]):  # loop over batches, not cells
@@ -377,23 +482,29 @@ def query_ood_clusters(
         for c in clusters:
             m = idx[codes == c]
             frac = ood[m].mean()
-            take = bool(frac >= min_fraction or frac >= min_enrichment * overall)
+            share = bool(frac >= min_fraction or frac >= min_enrichment * overall)
             low, mean = conformal.get(c, (False, None))
-            auc = None
+            auc = gap = None
             if low and claimed is not None:
                 low, auc = contrast_vote(p_fin, claimed_fin, codes_fin == c, leaves, clusters.size,
                                          min_cells)  # fmt: skip
-            take = take or low
+                if low and bar is not None:
+                    t = _mode(claimed_fin[codes_fin == c])
+                    rest = idx[fin][leaves & (codes_fin != c) & (claimed_fin == t)]
+                    low, gap = bar.passes(m[claimed[m] == t], rest, t)
+            take = share or low
             if votes is not None:
                 votes.append({"batch": int(d), "cells": int(m.size), "mean_p": mean,
-                              "contrast_auc": auc, "candidate": take})  # fmt: skip
+                              "contrast_auc": auc, "gap": gap, "share": share,
+                              "candidate": take})  # fmt: skip
             if take:
                 found.append(m)
     return found
 
 
 def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryConfig, seed: int,
-                      pvalues=None, votes=None, claimed=None) -> list[np.ndarray]:  # fmt: skip
+                      pvalues=None, votes=None, claimed=None,
+                      bar=None) -> list[np.ndarray]:  # fmt: skip
     """Candidates of the batches without labelled cells (none when there are none)."""
     if not query.any():
         return []
@@ -402,7 +513,7 @@ def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryConfig, seed:
         min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
         resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
         pvalues=pvalues, min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes,
-        claimed=claimed,
+        claimed=claimed, bar=bar,
     )  # fmt: skip
 
 

@@ -103,6 +103,7 @@ def orca_row(spec: TaskSpec, task, seed: int, q, rows: slice, seconds: float) ->
         "novel_est": uns["n_novel"]["estimated"],
         "threshold": uns["estimate"].get("threshold"),
         "pca_input": uns["estimate"].get("integration", {}).get("pca_input", ""),
+        "query_vote_extra": _vote_extra(uns["estimate"].get("query_votes")),
         **_size_check_columns(uns["estimate"].get("size_check")),
         **score(task.truth, pred, task.seen, True),
         "seconds": seconds,
@@ -114,6 +115,17 @@ def orca_row(spec: TaskSpec, task, seed: int, q, rows: slice, seconds: float) ->
         **_evidence_columns(q, rows, task),
         **training_columns(uns),
     }
+
+
+def _vote_extra(votes: dict | None) -> int:
+    """Query clusters taken as candidates that the share vote alone would not take
+    (``estimate['query_votes']``): where this is 0 in every run of a task, the query vote left
+    the run's candidates, and so its labels, as the share vote's.
+    """
+    if not votes:
+        return 0
+    share = votes.get("share", votes["candidate"])
+    return int(sum(bool(c) and not bool(s) for c, s in zip(votes["candidate"], share, strict=True)))
 
 
 def _per_cell_columns(q, rows, task) -> dict:

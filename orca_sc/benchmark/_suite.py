@@ -215,8 +215,11 @@ def scale_settings(large: bool = False) -> list[SimSetting]:
 
 def grown_tasks(data_dir: str | Path | None, n_cells: int = GROWN_CELLS) -> list[TaskSpec]:
     """The real count-data tasks (Baron both ways, Tabula Muris both ways, the MCA and worm
-    protocols) with every cell redrawn to about ``n_cells`` cells in all
-    (:func:`orca_sc.benchmark._splits.grow_task`), named ``grown_<task>``.
+    protocols) grown to about ``n_cells`` cells in all, named ``grown_<task>``: new cells of
+    each type, each pooling two cells of the type and batch thinned to the same depth
+    (:func:`orca_sc.benchmark._splits.grow_task`, ``mode="mix"``). Copies of a cell with fresh
+    sampling noise (``mode="redraw"``) would be each other's nearest neighbours, so that any
+    graph clustering counts cells, not types.
     """
     counts = ("baron_", "tm_", "mca_", "worm_")
     specs = [s for s in builtin_tasks(data_dir) + reversed_tasks(data_dir)
@@ -226,14 +229,14 @@ def grown_tasks(data_dir: str | Path | None, n_cells: int = GROWN_CELLS) -> list
             f"grown_{s.name}",
             s.kind,
             partial(_grown, s.make, n_cells),
-            f"{s.description}; every cell redrawn to ~{n_cells:,} cells",
+            f"{s.description}; grown to ~{n_cells:,} cells of pooled pairs",
         )
         for s in specs
     ]
 
 
 def _grown(make, n_cells: int, seed: int) -> Task:
-    return grow_task(make(seed), n_cells, seed=seed)
+    return grow_task(make(seed), n_cells, seed=seed, mode="mix")
 
 
 def dev_suite(
