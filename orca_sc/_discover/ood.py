@@ -478,6 +478,7 @@ def query_ood_clusters(
         if claimed is not None and conformal:  # the contrast reads the finite p-values only
             fin = np.isfinite(pvalues[idx])
             p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
+            idx_fin = idx[fin]
             leaves = ~np.isin(codes_fin, [c for c, (low, _) in conformal.items() if low])
         for c in clusters:
             m = idx[codes == c]
@@ -486,11 +487,11 @@ def query_ood_clusters(
             low, mean = conformal.get(c, (False, None))
             auc = gap = None
             if low and claimed is not None:
-                low, auc = contrast_vote(p_fin, claimed_fin, codes_fin == c, leaves, clusters.size,
-                                         min_cells)  # fmt: skip
-                if low and bar is not None:
-                    t = _mode(claimed_fin[codes_fin == c])
-                    rest = idx[fin][leaves & (codes_fin != c) & (claimed_fin == t)]
+                in_c = codes_fin == c
+                low, auc = contrast_vote(p_fin, claimed_fin, in_c, leaves, clusters.size, min_cells)
+                if low and bar is not None:  # the contrast's type and comparison cells
+                    t = _mode(claimed_fin[in_c])
+                    rest = idx_fin[leaves & ~in_c & (claimed_fin == t)]
                     low, gap = bar.passes(m[claimed[m] == t], rest, t)
             take = share or low
             if votes is not None:
