@@ -70,7 +70,7 @@ class DiscoveryConfig:
     query_resolution
         Leiden resolution of a batch without labelled cells (a separate query).
     query_vote
-        How a cluster of a batch without labelled cells becomes a candidate. ``"share"`` (the default): by its share of out-of-distribution cells (below). ``"either"`` (measured, not the default: docs/discovery.md): also where its cells score below the unseen labelled cells of the known type whose head claims them (each cell's conformal p-value against that type's cross-fitted cosines, shifted by the batch; the cluster's mean p at most 0.36, a medium effect, and below 1/2 by a one-sided test at level 0.01 over the batch's clusters; needs the cross-fitted cosines: ``novelty_folds`` >= 2 and ``cross_fit_threshold="per_type"``). ``"contrast"`` (measured, not the default): as ``"either"``, but such a cluster's cells must also score below the type's cells in the batch's clusters that the conformal vote leaves (one-sided Mann-Whitney at the same level, a medium effect), so a known type that the batch shifts as a whole is not taken, and sit further below them (median cosine, in units of the type's spread) than any Leiden piece of the labelled cells, voted the same way, sits below the rest of its type, so an edge piece of a known type is not taken either; without the cross-fitted cosines it is the share vote.
+        How a cluster of a batch without labelled cells becomes a candidate. ``"contrast"`` (the default): by its share of out-of-distribution cells (``"share"``, below), or where its cells score below the unseen labelled cells of the known type whose head claims them (each cell's conformal p-value against that type's cross-fitted cosines, shifted by the batch; the cluster's mean p at most 0.36, a medium effect, and below 1/2 by a one-sided test at level 0.01 over the batch's clusters), below that type's cells in the batch's clusters that this vote leaves (one-sided Mann-Whitney at the same level, a medium effect: a known type that the batch shifts as a whole is not taken), and further below them (median cosine, in units of the type's spread) than any Leiden piece of the labelled cells, voted the same way, sits below the rest of its type (an edge piece of a known type is not taken either); without the cross-fitted cosines (``novelty_folds`` < 2) it is the share vote. ``"share"``: by the share alone (the earlier default; measured: docs/discovery.md). ``"either"`` (measured, not the default): the share or the conformal vote, without the contrast (needs ``novelty_folds`` >= 2 and ``cross_fit_threshold="per_type"``).
     query_min_fraction
         A query cluster is a candidate when this share of its cells is out-of-distribution ...
     query_min_enrichment
@@ -117,7 +117,7 @@ class DiscoveryConfig:
     desert_alpha: float = 0.01
     segregated_support: float = 0.1
     query_resolution: float = 1.0
-    query_vote: str = "share"
+    query_vote: str = "contrast"
     query_min_fraction: float = 0.5
     query_min_enrichment: float = 2.5
     core_min_agree: float = 0.5
