@@ -79,6 +79,8 @@ class DiscoveryConfig:
         A candidate cell is at its cluster's core when this share of its neighbours is in the cluster.
     core_min_fraction
         A cluster with a smaller share of core cells is not anchored.
+    min_novel_cells
+        A novel head that wins fewer unlabelled cells than this is no cluster: its cells take their next most probable head (1: every head with a cell is kept).
     merge_threshold
         A novel cluster whose marker signature correlates this much with a known type of another batch takes its name (``None``: never); the correlation is corrected for the noise of the few cells behind either signature (Spearman's correction).
     no_warmup_rel_threshold
@@ -122,6 +124,7 @@ class DiscoveryConfig:
     query_min_enrichment: float = 2.5
     core_min_agree: float = 0.5
     core_min_fraction: float = 2 / 3
+    min_novel_cells: int = 2
     merge_threshold: float | None = 0.8
     no_warmup_rel_threshold: float = 0.1
     novelty_alpha: float = 0.05
@@ -159,7 +162,7 @@ class DiscoveryConfig:
         ):
             if not (_is_number(getattr(self, name)) and 0 <= getattr(self, name) <= 1):
                 _invalid(name, getattr(self, name), "a number in [0, 1]")
-        for name in ("calibration_cells", "calibration_max_cells", "max_cells"):
+        for name in ("calibration_cells", "calibration_max_cells", "max_cells", "min_novel_cells"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 _invalid(name, getattr(self, name), "a positive integer")
         for name in ("n_neighbors", "n_pcs"):

@@ -209,8 +209,8 @@ def novelty_quantiles(net: OrcaNet, n_seen: int, embedding: np.ndarray) -> list[
 def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Naming]:
     """Every head's name from the training cells' heads ``head``: novel clusters that are a
     known type of another batch carry its name (:func:`orca_sc._discover.match_known_types`),
-    the others are ``novel_1``, ``novel_2``, ... by size; heads without cells are pruned
-    (``None``). Also the record of the merges.
+    the others are ``novel_1``, ``novel_2``, ... by size; heads with fewer unlabelled cells than
+    ``DiscoveryConfig.min_novel_cells`` are pruned (``None``). Also the record of the merges.
     """
     data, classes = fit.data, list(fit.data.classes)
     n_seen, n_novel = len(classes), fit.found.n_heads
@@ -245,7 +245,10 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
             background=background, cluster_means=(means, n_in), seed=fit.config.seed,
             cluster_reliability=rel,
         )  # fmt: skip
-    head_names, order = name_heads(counts, classes, pairs, same)
+    # a head that won fewer cells than a cluster needs is no cluster: pruned (its cells take
+    # their next most probable head), unless its signature made it a known type above
+    too_few = counts < fit.config.discovery.min_novel_cells
+    head_names, order = name_heads(np.where(too_few, 0, counts), classes, pairs, same)
     for (h, k, _), t in zip(pairs, tested, strict=True):
         if t["set_apart"] and counts[h] > 0:
             logger.warning(
@@ -287,7 +290,8 @@ class OrcaModel:
     """A trained ORCA network with its genes, classes, configuration and preprocessing.
 
     ``head_names`` maps every head to its output label: a seen class name, a novel cluster name
-    (``novel_1`` = largest) or ``None`` for heads that received no cells during training. A novel
+    (``novel_1`` = largest) or ``None`` for heads pruned after training (fewer unlabelled cells than
+    ``min_novel_cells``). A novel
     head whose cluster matched a known type of another batch carries that type's name.
     ``novelty_quantiles``: 1,001 quantiles of the labelled cells' cosine to their nearest seen
     head (:meth:`novelty`; empty: no novelty score); ``similarity``:

@@ -81,6 +81,32 @@ def test_same_seed_same_labels_and_copy(small_sim):
     np.testing.assert_array_equal(a1.obsm["X_orca"], a2.obsm["X_orca"])
 
 
+def test_a_novel_head_with_too_few_cells_is_no_cluster(small_run):
+    """A novel head that wins fewer unlabelled cells than ``min_novel_cells`` is pruned after
+    training: its cells take their next most probable head and every other cell keeps its label
+    (the same training; only the naming differs). Here the bar is set above the smallest novel
+    cluster of the shared run.
+    """
+    before = small_run.adata()
+    unl = before.obs["lab"].isna().to_numpy()
+    sizes = before.obs.loc[unl, "orca_novel"].dropna().astype(str).value_counts()
+    assert len(sizes) >= 2
+    smallest = sizes.index[-1]
+    a = small_run.adata()
+    for key in [k for k in a.obs if k.startswith("orca_")]:
+        del a.obs[key]
+    orca_sc.tl.annotate(a, labels_key="lab", min_novel_cells=int(sizes.min()) + 1, **FAST)
+    was = before.obs["orca_label"].astype(str).to_numpy()
+    now = a.obs["orca_label"].astype(str).to_numpy()
+    gone = was == smallest
+    assert smallest not in set(now) and (now[~gone] == was[~gone]).all()
+    kept = a.obs.loc[unl, "orca_novel"].dropna().astype(str).value_counts()
+    assert list(kept.index) == list(sizes.index[:-1])  # the others keep their names
+    assert (kept >= sizes.min() + 1).all()
+    assert a.uns["orca"]["n_novel"]["found"] == len(sizes) - 1
+    assert a.uns["orca"]["params"]["discovery"]["min_novel_cells"] == int(sizes.min()) + 1
+
+
 def test_save_load_predict_round_trip(small_run):
     path, small_sim = small_run.model_path, small_run.adata()
     model = OrcaModel.load(path)

@@ -530,6 +530,8 @@ def test_every_config_field_is_validated(field, value):
         ("n_neighbors", 1),
         ("n_pcs", 1),
         ("max_cells", 0),
+        ("min_novel_cells", 0),
+        ("min_novel_cells", 1.5),
         ("support_fraction", 2.0),
         ("support_min", -1),
         ("desert_alpha", float("nan")),

@@ -106,6 +106,7 @@ def orca_row(spec: TaskSpec, task, seed: int, q, rows: slice, seconds: float) ->
         "query_vote_extra": _vote_extra(uns["estimate"].get("query_votes")),
         **_size_check_columns(uns["estimate"].get("size_check")),
         **score(task.truth, pred, task.seen, True),
+        "novel_sizes": novel_sizes(task.truth, pred, task.seen),
         "seconds": seconds,
         "error": "",
         **_self_check_columns(uns.get("self_check")),
@@ -115,6 +116,21 @@ def orca_row(spec: TaskSpec, task, seed: int, q, rows: slice, seconds: float) ->
         **_evidence_columns(q, rows, task),
         **training_columns(uns),
     }
+
+
+def novel_sizes(truth, pred, seen) -> str:
+    """The query cells of each novel cluster, largest first, each marked ``n`` where most of
+    them are of novel types and ``k`` where most are of known types (``"327n;96n;1k"``): where
+    a surplus of clusters comes from, pieces of novel types or groups of known-type cells.
+    """
+    truth, pred = np.asarray(truth, dtype=str), np.asarray(pred, dtype=str)
+    seen = set(map(str, seen))
+    parts = []
+    for name in sorted(set(pred) - seen, key=lambda n: -int((pred == n).sum())):
+        cells = pred == name
+        novel = ~np.isin(truth[cells], list(seen))
+        parts.append(f"{int(cells.sum())}{'n' if novel.mean() > 0.5 else 'k'}")
+    return ";".join(parts)
 
 
 def _vote_extra(votes: dict | None) -> int:
