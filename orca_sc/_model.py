@@ -290,9 +290,9 @@ class OrcaModel:
     """A trained ORCA network with its genes, classes, configuration and preprocessing.
 
     ``head_names`` maps every head to its output label: a seen class name, a novel cluster name
-    (``novel_1`` = largest) or ``None`` for heads pruned after training (fewer unlabelled cells than
-    ``min_novel_cells``). A novel
-    head whose cluster matched a known type of another batch carries that type's name.
+    (``novel_1`` = largest) or ``None`` for heads pruned after training (fewer unlabelled
+    cells than ``min_novel_cells``). A novel head whose cluster matched a known type of another
+    batch carries that type's name.
     ``novelty_quantiles``: 1,001 quantiles of the labelled cells' cosine to their nearest seen
     head (:meth:`novelty`; empty: no novelty score); ``similarity``:
     see :meth:`novel_similarity`; ``alignment`` and ``estimate``: the training run's alignment

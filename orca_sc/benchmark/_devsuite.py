@@ -124,12 +124,13 @@ def novel_sizes(truth, pred, seen) -> str:
     a surplus of clusters comes from, pieces of novel types or groups of known-type cells.
     """
     truth, pred = np.asarray(truth, dtype=str), np.asarray(pred, dtype=str)
-    seen = set(map(str, seen))
-    parts = []
-    for name in sorted(set(pred) - seen, key=lambda n: -int((pred == n).sum())):
-        cells = pred == name
-        novel = ~np.isin(truth[cells], list(seen))
-        parts.append(f"{int(cells.sum())}{'n' if novel.mean() > 0.5 else 'k'}")
+    seen = [str(s) for s in seen]
+    called = ~np.isin(pred, seen)  # cells of novel clusters
+    _, cluster = np.unique(pred[called], return_inverse=True)
+    size = np.bincount(cluster)
+    of_novel = np.bincount(cluster, weights=~np.isin(truth[called], seen), minlength=size.size)
+    parts = [f"{size[c]}{'n' if of_novel[c] > size[c] / 2 else 'k'}"
+             for c in np.argsort(-size, kind="stable")]  # fmt: skip
     return ";".join(parts)
 
 
