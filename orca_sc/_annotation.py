@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -125,6 +125,7 @@ class Naming:
     merged: dict[str, list]
     order: list[int]
     same: dict[str, list]  # novel heads of several batches that are one type (column-wise)
+    pruned: list[int] = field(default_factory=list)  # cells of each head too small for a cluster
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,8 @@ def annotate_record(fit: Any, model: Any, head: np.ndarray, naming: Naming, labe
             "estimated": found.n_novel,
             "heads": found.n_heads,
             "found": len(naming.order),
+            # the unlabelled cells of each head that won fewer than min_novel_cells (no cluster)
+            "pruned": list(naming.pruned),
         },
         estimate=model.estimate,
         self_check=fit.self_check,

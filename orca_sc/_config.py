@@ -124,7 +124,7 @@ class DiscoveryConfig:
     query_min_enrichment: float = 2.5
     core_min_agree: float = 0.5
     core_min_fraction: float = 2 / 3
-    min_novel_cells: int = 2
+    min_novel_cells: int = 5
     merge_threshold: float | None = 0.8
     no_warmup_rel_threshold: float = 0.1
     novelty_alpha: float = 0.05

@@ -247,8 +247,19 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         )  # fmt: skip
     # a head that won fewer cells than a cluster needs is no cluster: pruned (its cells take
     # their next most probable head), unless its signature made it a known type above
-    too_few = counts < fit.config.discovery.min_novel_cells
+    bar = fit.config.discovery.min_novel_cells
+    too_few = counts < bar
     head_names, order = name_heads(np.where(too_few, 0, counts), classes, pairs, same)
+    # heads with cells that pruning took (a head merged into a known type keeps its name)
+    pruned = [int(counts[h]) for h in range(n_novel) if too_few[h] and counts[h] > 0
+              and head_names[n_seen + h] is None]  # fmt: skip
+    if pruned:
+        logger.warning(
+            "%d novel head(s) won only %s unlabelled cell(s), fewer than min_novel_cells=%d: too "
+            "few for a cluster the data can support, so their cells take their next most "
+            "probable head (uns['orca']['n_novel']['pruned']).",
+            len(pruned), ", ".join(map(str, sorted(pruned, reverse=True))), bar,
+        )  # fmt: skip
     for (h, k, _), t in zip(pairs, tested, strict=True):
         if t["set_apart"] and counts[h] > 0:
             logger.warning(
@@ -275,7 +286,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         "same_as": [f"head_{b}" for _, b, _ in same],
         "name": [head_names[n_seen + b] for _, b, _ in same],
         "correlation": [round(r, 4) for _, _, r in same],
-    })  # fmt: skip
+    }, sorted(pruned, reverse=True))  # fmt: skip
 
 
 #: what ``obs['orca_confidence']`` means, calibrated or not (``uns['orca']['confidence']``)

@@ -23,10 +23,13 @@ def test_end_to_end_simulated_open_world():
     assert r["n_novel_found"] == 3
 
 
-def test_output_contract(small_sim, tmp_path):
-    X_before = small_sim.X.copy()
-    orca_sc.tl.annotate(small_sim, labels_key="lab", **FAST)
-    obs = small_sim.obs
+def test_output_contract(small_run, small_sim, tmp_path):
+    """The shared run (:func:`conftest.small_run`: :func:`conftest.small_sim` annotated in place
+    with :data:`conftest.FAST`) against a fresh copy of its input.
+    """
+    X_before = small_sim.X
+    annotated = small_run.adata()
+    obs = annotated.obs
     assert isinstance(obs["orca_label"].dtype, pd.CategoricalDtype)
     assert obs["orca_label"].notna().all()
     novel = obs["orca_label"].astype(str).str.startswith("novel_")
@@ -34,11 +37,11 @@ def test_output_contract(small_sim, tmp_path):
     assert (
         obs.loc[novel, "orca_novel"].astype(str) == obs.loc[novel, "orca_label"].astype(str)
     ).all()
-    sizes = small_sim.uns["orca"]["novel_cluster_sizes"]
+    sizes = annotated.uns["orca"]["novel_cluster_sizes"]
     assert list(sizes.values()) == sorted(sizes.values(), reverse=True)  # numbered by size
     assert obs["orca_confidence"].between(0, 1).all()
-    assert small_sim.obsm["X_orca"].shape == (small_sim.n_obs, 128)
-    u = small_sim.uns["orca"]
+    assert annotated.obsm["X_orca"].shape == (annotated.n_obs, 128)
+    u = annotated.uns["orca"]
     for key in (
         "params",
         "seen_classes",
@@ -56,8 +59,8 @@ def test_output_contract(small_sim, tmp_path):
     assert u["input_scale"] == {"AnnData": "counts"}
     assert len(u["history"]["loss"]) == u["training"]["epochs"]
     # the input matrix is neither densified nor modified
-    assert sp.issparse(small_sim.X) and (small_sim.X != X_before).nnz == 0
-    small_sim.write_h5ad(tmp_path / "out.h5ad")  # uns is storable
+    assert sp.issparse(annotated.X) and (annotated.X != X_before).nnz == 0
+    annotated.write_h5ad(tmp_path / "out.h5ad")  # uns is storable
     back = ad.read_h5ad(tmp_path / "out.h5ad")
     assert (back.obs["orca_label"] == obs["orca_label"]).all()
     # the record read back, typed: what the run did not make is None, and listed as such
@@ -73,12 +76,18 @@ def test_output_contract(small_sim, tmp_path):
     assert old.novelty_test is not None and orca_sc.tl.RunRecord.from_uns({}).training is None
 
 
-def test_same_seed_same_labels_and_copy(small_sim):
-    a1 = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, seed=7, **FAST)
-    a2 = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, seed=7, **FAST)
+def test_same_seed_same_labels_and_copy(small_run, small_sim):
+    """A second run with the shared run's seed (0, the default), as a copy: the same labels,
+    embedding and novelty p-values, and the input left alone.
+    """
+    a1 = small_run.adata()
+    a2 = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, seed=0, **FAST)
     assert "orca_label" not in small_sim.obs  # copy=True leaves the input alone
     assert (a1.obs["orca_label"] == a2.obs["orca_label"]).all()
     np.testing.assert_array_equal(a1.obsm["X_orca"], a2.obsm["X_orca"])
+    p1, p2 = (a.obs["orca_novelty_pvalue"].to_numpy() for a in (a1, a2))
+    assert np.isfinite(p1).any()
+    np.testing.assert_array_equal(p1, p2)
 
 
 def test_a_novel_head_with_too_few_cells_is_no_cluster(small_run):
@@ -104,6 +113,9 @@ def test_a_novel_head_with_too_few_cells_is_no_cluster(small_run):
     assert list(kept.index) == list(sizes.index[:-1])  # the others keep their names
     assert (kept >= bar).all()
     assert a.uns["orca"]["n_novel"]["found"] == len(sizes) - 1
+    pruned = list(a.uns["orca"]["n_novel"]["pruned"])  # said in the record, largest first
+    assert int(sizes.min()) in pruned and max(pruned) < bar
+    assert pruned == sorted(pruned, reverse=True)
     assert a.uns["orca"]["params"]["discovery"]["min_novel_cells"] == bar
 
 
@@ -162,15 +174,17 @@ def test_reference_query_mode_and_fixed_n_novel(small_sim):
 @pytest.mark.parametrize(
     "switch",
     [
-        {"margin": "zero"},
-        {"margin": "fixed"},
-        {"supervised": False},
-        {"regularizer": False},
+        {"margin": "zero", "regularizer": False},
+        {"margin": "fixed", "supervised": False},
         {"warmup_epochs": 0, "n_novel": 2},
     ],
 )
 def test_ablation_switches_change_training(small_sim, switch):
-    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **{**FAST, **switch})
+    """Each switch of the paper's ablations shows in the training history (two switches per
+    run; the novelty test, which reads no history, is off).
+    """
+    config = {**FAST, **LABELS_ONLY, **switch}
+    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, **config)
     h = a.uns["orca"]["history"]
     if switch.get("margin") == "zero":
         assert np.all(h["margin"] == 0)
@@ -240,7 +254,9 @@ def test_cuda_without_gpu_is_a_clear_error(small_sim):
 
 
 def test_small_query_gets_enough_steps(small_sim):
-    a = orca_sc.tl.annotate(small_sim, labels_key="lab", copy=True, progress=False, n_genes=None)
+    a = orca_sc.tl.annotate(
+        small_sim, labels_key="lab", copy=True, progress=False, n_genes=None, **LABELS_ONLY
+    )
     t = a.uns["orca"]["training"]
     assert t["steps"] >= 300 and t["epochs"] > 20  # 500 cells: one batch per epoch, epochs added
 
@@ -419,11 +435,13 @@ def test_reference_and_query_in_one_batch_warns_and_takes_no_deserts():
     both = ad.concat([ref, query], label="sample", keys=["ref", "query"], index_unique="-")
     both.obs["lab"] = both.obs["lab"].astype(object)
     with pytest.warns(UserWarning, match="barely share neighbourhoods.*batch_key"):
-        a = orca_sc.tl.annotate(both, labels_key="lab", copy=True, **FAST)
+        a = orca_sc.tl.annotate(both, labels_key="lab", copy=True, **FAST, **LABELS_ONLY)
     assert a.uns["orca"]["estimate"]["n_label_deserts"] == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        orca_sc.tl.annotate(both, labels_key="lab", batch_key="sample", copy=True, **FAST)
+        orca_sc.tl.annotate(
+            both, labels_key="lab", batch_key="sample", copy=True, **FAST, **LABELS_ONLY
+        )
 
 
 def test_tl_predict_and_similarity_of_novel_clusters(small_run):
