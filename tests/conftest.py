@@ -91,7 +91,8 @@ def small_run(tmp_path_factory):
 def computed_once(tmp_path_factory, name: str, compute) -> Any:
     """``compute(folder)``'s JSON-able result, made once per test session and read by every
     pytest-xdist worker that asks for it (a lock file in the session's shared temporary folder;
-    with work stealing a module's tests can land on both workers).
+    with work stealing a module's tests can land on both workers). ``compute`` may also leave
+    files in ``folder`` for its readers.
     """
     import fcntl
 
@@ -107,8 +108,35 @@ def computed_once(tmp_path_factory, name: str, compute) -> Any:
         return json.loads(path.read_text())
 
 
-#: tests that check labels only: the novelty test's cross-fitted warm-ups run after the fit and
-#: leave every label as it is (development suite, 153 runs), so they are skipped there
+def _annotate_demo(folder: Path) -> dict:
+    """The demo data (:func:`orca_sc._demo.demo_data`, seed 0) annotated with the defaults, the
+    model saved: the files' paths.
+    """
+    import warnings
+
+    from orca_sc._demo import demo_data
+
+    model, out = folder / "model.pt", folder / "demo.h5ad"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = demo_data(0)
+        orca_sc.tl.annotate(a, labels_key="input_label", progress=False, save_model=model)
+    a.write_h5ad(out)
+    return {"adata": str(out), "model": str(model)}
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> dict:
+    """The default run on the demo data, made once per test session (for every worker): the
+    paths of the annotated data (``adata``, read it with ``anndata.read_h5ad``) and of its
+    saved model (``model``).
+    """
+    return {k: Path(v) for k, v in computed_once(tmp_path_factory, "demo", _annotate_demo).items()}
+
+
+#: tests that need neither p-values nor the cross-fitted warm-ups (about a third of a short
+#: run): without them the per-type threshold is the in-sample one and a batch without labelled
+#: cells takes the share vote, so labels can differ from a default run's
 LABELS_ONLY = {"novelty_folds": 0}
 
 

@@ -74,18 +74,18 @@ def test_calibrate_maps_held_out_probabilities_to_accuracy():
 
 
 @pytest.fixture(scope="module")
-def demo_runs(tmp_path_factory):
-    """The demo (700 real PBMCs, 3 sorted types hidden) annotated with and without the
-    cross-fitted warm-ups; the model saved.
+def demo_runs(demo_run):
+    """The demo (700 real PBMCs, 3 sorted types hidden) annotated with (the shared default run,
+    :func:`conftest.demo_run`, its model saved) and without the cross-fitted warm-ups.
     """
-    path = tmp_path_factory.mktemp("cal") / "model.pt"
+    import anndata as ad
+
+    cal = ad.read_h5ad(demo_run["adata"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cal = demo_data(0)
-        orca_sc.tl.annotate(cal, labels_key="input_label", progress=False, save_model=path)
         raw = demo_data(0)
         orca_sc.tl.annotate(raw, labels_key="input_label", progress=False, novelty_folds=0)
-    return cal, raw, path
+    return cal, raw, demo_run["model"]
 
 
 def _query_known(adata):

@@ -36,17 +36,25 @@ def three():
     return ref, q1, q2
 
 
+@pytest.fixture(scope="module")
+def both(three):
+    """Both queries of :func:`three` annotated together (``copy=True``), shared by the tests
+    that read the result.
+    """
+    ref, q1, q2 = three
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return orca_sc.tl.annotate([q1, q2], ref, labels_key="cell_type", copy=True, **FAST)
+
+
 def _name_of(q, truth):
     """The label most of the cells of a true type got."""
     return q.obs.loc[q.obs["truth"] == truth, "orca_label"].astype(str).value_counts().index[0]
 
 
-def test_one_model_one_name_per_novel_type(three):
+def test_one_model_one_name_per_novel_type(three, both):
     ref, q1, q2 = three
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = orca_sc.tl.annotate([q1, q2], ref, labels_key="cell_type", copy=True, **FAST)
-    o1, o2 = out
+    o1, o2 = both
     assert "orca_label" not in q1.obs  # copy=True: the inputs are untouched
     shared = _name_of(o1, "type_3")
     assert shared.startswith("novel_") and _name_of(o2, "type_3") == shared
@@ -86,11 +94,8 @@ def test_one_model_one_name_per_novel_type(three):
     "of its own with the in-sample threshold (the development suite's multi-query tasks did not "
     "move)",
 )
-def test_a_novel_type_of_one_query_alone_gets_its_own_name(three):
-    ref, q1, q2 = three
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        o1, o2 = orca_sc.tl.annotate([q1, q2], ref, labels_key="cell_type", copy=True, **FAST)
+def test_a_novel_type_of_one_query_alone_gets_its_own_name(both):
+    o1, o2 = both
     only2 = _name_of(o2, "type_5")
     assert only2.startswith("novel_") and only2 not in {
         _name_of(o1, "type_3"),

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import scanpy as sc  # noqa: E402
-from conftest import FAST, SHARED_DATA  # noqa: E402
+from conftest import FAST, LABELS_ONLY, SHARED_DATA  # noqa: E402
 
 import orca_sc  # noqa: E402
 from orca_sc import OrcaInputError  # noqa: E402
@@ -108,7 +108,7 @@ def test_one_colour_per_label_across_panels_and_runs(annotated):
     q1 = a[150:].copy()
     q2 = q1[q1.obs["cell_type"] != "type_1"].copy()
     for q in (q1, q2):
-        orca_sc.tl.annotate(q, ref, labels_key="cell_type", **FAST)
+        orca_sc.tl.annotate(q, ref, labels_key="cell_type", **FAST, **LABELS_ONLY)
     c1, c2 = (dict(zip(q.obs["orca_label"].cat.categories, q.uns["orca_label_colors"],
                        strict=True)) for q in (q1, q2))  # fmt: skip
     assert c1["type_0"] == c2["type_0"] and c1["type_2"] == c2["type_2"]

@@ -20,7 +20,6 @@ from conftest import FAST, FAST_ARGS  # noqa: E402
 
 import orca_sc  # noqa: E402
 from orca_sc import OrcaInputError  # noqa: E402
-from orca_sc._demo import demo_data  # noqa: E402
 from orca_sc.cli import main  # noqa: E402
 
 
@@ -44,12 +43,11 @@ def _png_size(src: str) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def demo():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        a = demo_data(0)
-        orca_sc.tl.annotate(a, labels_key="input_label", progress=False)
-    return a
+def demo(demo_run):
+    """The shared default run on the demo data (:func:`conftest.demo_run`), read back."""
+    import anndata as ad
+
+    return ad.read_h5ad(demo_run["adata"])
 
 
 def test_report_is_one_self_contained_page(demo, tmp_path):

@@ -193,8 +193,8 @@ def test_annotate_and_predict_from_disk_give_the_in_memory_labels(on_disk, tmp_p
     before = _md5(paths["query"])
     kw = {**FAST, "n_genes": 150}
     q_mem = query.copy()
-    model = orca_sc.OrcaModel.fit(q_mem, ref, labels_key="cell_type", **kw)
-    orca_sc.tl.annotate(q_mem, ref, labels_key="cell_type", **kw)
+    orca_sc.tl.annotate(q_mem, ref, labels_key="cell_type", save_model=tmp_path / "m.pt", **kw)
+    model = orca_sc.OrcaModel.load(tmp_path / "m.pt")
     expected = q_mem.obs["orca_label"].astype(str).to_numpy()
     assert len(set(expected) - set(ref.obs["cell_type"].dropna())) >= 1  # a novel cluster
     for fmt in ("query", "zarr"):

@@ -67,13 +67,19 @@ OPTS = {"n_genes": None, "progress": False, "stop_min_steps": 50, "stop_check_st
         **LABELS_ONLY}  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def stopped(separable):
+    """The run with the stopping rule on :func:`separable`, shared by the tests that read it."""
+    return orca_sc.tl.annotate(separable, labels_key="lab", copy=True, **OPTS)
+
+
 def _accuracy(a):
     """All-class accuracy of the unlabelled cells (novel clusters matched to novel types)."""
     return orca_sc.metrics.report(a, "cell_type")["all_accuracy"]
 
 
-def test_a_phase_stops_when_its_criterion_holds_and_not_before(separable):
-    a = orca_sc.tl.annotate(separable, labels_key="lab", copy=True, **OPTS)
+def test_a_phase_stops_when_its_criterion_holds_and_not_before(separable, stopped):
+    a = stopped
     phases = a.uns["orca"]["training"]["phases"]
     ow = phases["open-world"]
     # this data is learnt long before the schedule's end: the fit stops, and says why
@@ -100,8 +106,8 @@ def test_a_phase_stops_when_its_criterion_holds_and_not_before(separable):
         assert ph["stopped"] == "schedule" and ph["steps"] == ph["max_steps"]
 
 
-def test_same_seed_same_stop(separable):
-    a = orca_sc.tl.annotate(separable, labels_key="lab", copy=True, **OPTS)
+def test_same_seed_same_stop(separable, stopped):
+    a = stopped
     b = orca_sc.tl.annotate(separable, labels_key="lab", copy=True, **OPTS)
     assert a.uns["orca"]["training"]["phases"] == b.uns["orca"]["training"]["phases"]
     assert (a.obs["orca_label"] == b.obs["orca_label"]).all()
