@@ -250,15 +250,16 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
     bar = fit.config.discovery.min_novel_cells
     too_few = counts < bar
     head_names, order = name_heads(np.where(too_few, 0, counts), classes, pairs, same)
-    # heads with cells that pruning took (a head merged into a known type keeps its name)
-    pruned = [int(counts[h]) for h in range(n_novel) if too_few[h] and counts[h] > 0
-              and head_names[n_seen + h] is None]  # fmt: skip
+    # the cells of each head that pruning took, largest first (a head merged into a known type
+    # keeps its name)
+    pruned = sorted((int(counts[h]) for h in range(n_novel) if too_few[h] and counts[h] > 0
+                     and head_names[n_seen + h] is None), reverse=True)  # fmt: skip
     if pruned:
         logger.warning(
             "%d novel head(s) won only %s unlabelled cell(s), fewer than min_novel_cells=%d: too "
             "few for a cluster the data can support, so their cells take their next most "
             "probable head (uns['orca']['n_novel']['pruned']).",
-            len(pruned), ", ".join(map(str, sorted(pruned, reverse=True))), bar,
+            len(pruned), ", ".join(map(str, pruned)), bar,
         )  # fmt: skip
     for (h, k, _), t in zip(pairs, tested, strict=True):
         if t["set_apart"] and counts[h] > 0:
@@ -286,7 +287,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         "same_as": [f"head_{b}" for _, b, _ in same],
         "name": [head_names[n_seen + b] for _, b, _ in same],
         "correlation": [round(r, 4) for _, _, r in same],
-    }, sorted(pruned, reverse=True))  # fmt: skip
+    }, pruned)  # fmt: skip
 
 
 #: what ``obs['orca_confidence']`` means, calibrated or not (``uns['orca']['confidence']``)
