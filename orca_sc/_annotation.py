@@ -141,14 +141,17 @@ class NoveltyTest:
 
 
 def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.ndarray,
-                 novel_names: list[str], cfg: Any) -> NoveltyTest | None:  # fmt: skip
+                 novel_names: list[str], cfg: Any,
+                 batches: tuple[np.ndarray, list[str]] | None = None) -> NoveltyTest | None:  # fmt: skip
     """``uns['orca']['novelty_test']`` and the q-values from the cross-fitted p-values of the
     run's cells (``None``: not computed); ``labels``: every cell's output label; ``cfg``: the
-    :class:`orca_sc.DiscoveryConfig`.
+    :class:`orca_sc.DiscoveryConfig`; ``batches``: every cell's batch code and the batches'
+    names, for the check of the test's premise per batch (:func:`orca_sc._conformal.premise_check`;
+    ``None``: one batch).
     """
     import pandas as pd
 
-    from ._conformal import benjamini_hochberg, cluster_support
+    from ._conformal import benjamini_hochberg, cluster_support, premise_check
 
     if pvalues is None:
         return None
@@ -158,7 +161,20 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
     n_cal = int(labeled.sum())
     clusters = pd.Index(novel_names, dtype=object).get_indexer(labels[unl]).astype(np.int64)
     alpha = cfg.novelty_alpha
-    table, notes = cluster_support(pvalues[unl], clusters, novel_names, alpha, n_cal)
+    batch, names = batches if batches is not None else (np.zeros(labels.size, np.int64), ["all"])
+    p_unl, b_unl = pvalues[unl], batch[unl]
+    premise, said = premise_check(p_unl, clusters < 0, b_unl, names, alpha, n_cal)
+    # a cluster whose batch fails the premise is compared with that batch's known cells
+    failed = {names.index(b) for b, h in zip(premise["batch"], premise["holds"], strict=True)
+              if h == "fails"}  # fmt: skip
+    baseline: list[tuple[int, int] | None] = []
+    for j in range(len(novel_names)):  # loop over clusters
+        home = np.bincount(b_unl[clusters == j]).argmax() if (clusters == j).any() else -1
+        known = (clusters < 0) & (b_unl == home)
+        baseline.append((int((p_unl[known] <= alpha).sum()), int(known.sum()))
+                        if home in failed else None)  # fmt: skip
+    table, notes = cluster_support(p_unl, clusters, novel_names, alpha, n_cal, baseline)
+    notes = said + notes
     record = {
         "alpha": alpha,
         "folds": cfg.novelty_folds,
@@ -167,6 +183,7 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
         "share_p_below_alpha": float(np.mean(pvalues[unl] <= alpha)) if unl.any() else 0.0,
         "share_q_below_alpha": float(np.mean(qvalues[unl] <= alpha)) if unl.any() else 0.0,
         "clusters": table,
+        "premise": premise,
         "notes": notes,
     }
     return NoveltyTest(pvalues, qvalues, record, notes)
@@ -181,7 +198,9 @@ def novel_evidence(names: list[str], sizes: dict[str, int], similarity: dict[str
     known type in ``similarity['types']`` order), the novelty test's verdict (``test``: ``uns['orca']['novelty_test']``; ``None``: not
     run) and ``evidence``:
 
-    * ``"supported"``: the novelty test finds its cells unlike the reference (a stated error rate);
+    * ``"supported"``: the novelty test finds its cells unlike the reference (a stated error rate;
+      where the test's premise fails in the cluster's batch, more unlike it than that batch's
+      cells labelled a known type);
     * ``"cannot tell"``: the data are too thin for a call, and ``reason`` says which part: the
       test has too few labelled cells to calibrate it, the cluster has fewer cells than the
       clustering graph's ``n_neighbors`` (it may be a fragment of a known type), or its closest

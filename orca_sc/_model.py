@@ -105,7 +105,8 @@ def _assemble(
     mode = "single" if reference is None else "reference"
     out = data.output_rows
     labels = model.labels_for(head)
-    test = novelty_test(fit.novelty_pvalues, labels, data.labeled, novel_names, cfg.discovery)
+    test = novelty_test(fit.novelty_pvalues, labels, data.labeled, novel_names, cfg.discovery,
+                        (data.domain, list(data.domain_names)))  # fmt: skip
     for note in test.notes if test is not None else []:
         logger.warning(note)
     vote = _majority_vote(fit, labels) if cfg.majority_vote else None

@@ -13,6 +13,7 @@ from orca_sc._conformal import (
     benjamini_hochberg,
     cluster_support,
     fold_ids,
+    premise_check,
 )
 from tests.conftest import FAST
 
@@ -92,10 +93,40 @@ def test_cluster_support_verdicts():
     assert table["supported"] == ["significant", "not significant"]
     assert table["n_cells"] == [60, 60] and table["share_p_below_alpha"][0] == 1.0
     assert any("novel_2" in n for n in notes)
+    # where the batch's known cells score unlike the reference too (a quarter of them p <= 0.05),
+    # a cluster is compared with them: 60 of 60 cells still stand out, 18 of 60 do not
+    shifted = np.concatenate([p[:360], np.where(rng.random(60) < 0.3, 0.01, 0.5)])
+    base = (75, 300)
+    table, _ = cluster_support(shifted, clusters, ["novel_1", "novel_2"], 0.05, 500, [base] * 2)
+    assert table["supported"] == ["significant", "not significant"]
+    assert table["compared_with"] == ["known cells of its batch"] * 2
+    plain, _ = cluster_support(shifted, clusters, ["novel_1", "novel_2"], 0.05, 500)
+    assert plain["supported"] == ["significant", "significant"]  # against alpha: both
+    assert plain["compared_with"] == ["alpha", "alpha"]
     few = int(MIN_TAIL_CELLS / 0.05) - 1  # too few labelled cells for the tail at alpha
     table, notes = cluster_support(p, clusters, ["novel_1", "novel_2"], 0.05, few)
     assert table["supported"] == ["cannot tell", "cannot tell"]
     assert any("cannot say" in n for n in notes)
+
+
+def test_premise_check_fails_only_where_known_cells_score_below_the_reference():
+    """Batch 'a': cells labelled known with uniform p-values (exchangeable: the premise holds);
+    batch 'b': a fifth of them with p below alpha (shifted: it fails); cells called novel are
+    left out, and too few calibration cells make it 'cannot tell'.
+    """
+    rng = np.random.default_rng(0)
+    n = 400
+    p = np.concatenate([rng.random(n), np.where(rng.random(n) < 0.2, 0.01, rng.random(n)),
+                        np.full(50, 0.001)])  # fmt: skip
+    batch = np.repeat([0, 1, 0], [n, n, 50])
+    known = np.repeat([True, True, False], [n, n, 50])  # the last 50: called novel
+    table, notes = premise_check(p, known, batch, ["a", "b"], 0.05, 500)
+    assert table["batch"] == ["a", "b"] and table["n_known"] == [n, n]
+    assert table["holds"] == ["holds", "fails"]
+    assert table["share_p_below_alpha"][1] > 0.15 and table["pvalue"][1] < 1e-6
+    assert len(notes) == 1 and "'b'" in notes[0] and "'a'" not in notes[0]
+    few = int(MIN_TAIL_CELLS / 0.05) - 1
+    assert premise_check(p, known, batch, ["a", "b"], 0.05, few)[0]["holds"] == ["cannot tell"] * 2
 
 
 def _same_types_split(per_type, seed=0):
@@ -131,8 +162,36 @@ def test_known_types_get_p_below_alpha_at_most_alpha(per_type):
     assert np.mean(p <= alpha) <= alpha + tol, (np.mean(p <= alpha), alpha + tol)
     test = out.uns["orca"]["novelty_test"]
     assert test["alpha"] == alpha and test["n_calibration"] == n and test["folds"] == 5
+    # the run's own check of that premise agrees (its one batch of unlabelled cells; with 30
+    # calibration cells the tail is too thin to tell)
+    assert test["premise"]["holds"] == ["holds" if per_type is None else "cannot tell"]
+    assert not any("premise" in x for x in test["notes"])
     q = out.obs["orca_novelty_qvalue"].to_numpy()
     assert (q >= p - 1e-7).all()
+
+
+def test_a_query_shifted_type_by_type_fails_the_premise_and_is_told_so(tmp_path):
+    """No novel type, but the query's types each shifted their own way (a batch effect that
+    differs by type, as a technology or a stimulation makes): the cells labelled known types
+    get p <= alpha far more often than 2 alpha, and the run says that the test's premise fails
+    in the query's batch, in the record and in its notes.
+    """
+    a = orca_sc.datasets.simulate(2400, 400, 6, n_batches=2, type_batch_strength=1.5,
+                                  batch_weights=[0.5, 0.5], seed=0)  # fmt: skip
+    b = a.obs["batch"].astype(str).to_numpy()
+    ref, query = a[b == "batch_0"].copy(), a[b == "batch_1"].copy()
+    out = orca_sc.tl.annotate(query, ref, labels_key="cell_type", copy=True, seed=0, **FAST)
+    test = out.uns["orca"]["novelty_test"]
+    premise = test["premise"]
+    assert premise["holds"] == ["fails"] and premise["share_p_below_alpha"][0] > 2 * 0.05
+    assert premise["n_known"][0] == int(out.obs["orca_novel"].isna().sum())
+    assert any("premise fails" in n for n in test["notes"])
+    assert all(c == "known cells of its batch" for c in test["clusters"]["compared_with"])
+    # the most shifted known type is called a novel cluster here; the report says above the
+    # novel clusters that the test's premise fails
+    assert test["clusters"]["cluster"]
+    html = orca_sc.tl.report(out, tmp_path / "run.html").read_text()
+    assert "the test's premise fails</b>" in html
 
 
 def test_novel_cells_get_small_pvalues_and_supported_clusters(small_sim):

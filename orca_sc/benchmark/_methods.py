@@ -83,7 +83,9 @@ def novelty_test_shares(adata, rows, task: Task) -> dict[str, float]:
     """The shares of known-type (the test's level) and of novel-type query cells (its power)
     with a novelty p-value at most alpha; the shares called novel by two rules measured against
     the annotation (``bh``: q-value at most alpha; ``vote``: the novel clusters less those the
-    test finds not unlike the reference). Empty without p-values.
+    test finds not unlike the reference); the batches where the test's premise fails
+    (``premise_fails``) and the largest share of cells labelled a known type with p at most alpha
+    in a batch (``premise_share``). Empty without p-values.
     """
     if "orca_novelty_pvalue" not in adata.obs:
         return {}
@@ -105,6 +107,9 @@ def novelty_test_shares(adata, rows, task: Task) -> dict[str, float]:
     for name, call in rules.items():
         out[f"known_{name}"] = float(call[~novel].mean()) if (~novel).any() else np.nan
         out[f"novel_{name}"] = float(call[novel].mean()) if novel.any() else np.nan
+    premise = test.get("premise", {})
+    out["premise_fails"] = int(sum(h == "fails" for h in premise.get("holds", [])))
+    out["premise_share"] = float(max(premise.get("share_p_below_alpha", []), default=np.nan))
     return out
 
 

@@ -225,6 +225,16 @@ class _Page:
             "and the cluster is small or its closest known type has few labels, the data cannot "
             "support the call, and the row says why.</p>"
         )
+        premise = test.get("premise", {})
+        failed = [b for b, h in zip(premise.get("batch", []), premise.get("holds", []),
+                                    strict=False) if h == "fails"]  # fmt: skip
+        if failed:
+            lead += (
+                f"<p><b>In {_e(', '.join(failed))} the test's premise fails</b>: cells labelled a "
+                "known type there have p ≤ α more often than cells like the reference's ever do "
+                "(2α), so a cluster of that batch is compared with those cells instead (Fisher's "
+                "exact test).</p>"
+            )
         out = "<h2>Novel clusters</h2>" + lead
         out += _table(["cluster", "cells", "markers", "closest known types", "novelty test"], rows)
         try:
