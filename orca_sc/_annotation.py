@@ -163,16 +163,10 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
     alpha = cfg.novelty_alpha
     batch, names = batches if batches is not None else (np.zeros(labels.size, np.int64), ["all"])
     p_unl, b_unl = pvalues[unl], batch[unl]
-    premise, said = premise_check(p_unl, clusters < 0, b_unl, names, alpha, n_cal)
-    # a cluster whose batch fails the premise is compared with that batch's known cells
-    failed = {names.index(b) for b, h in zip(premise["batch"], premise["holds"], strict=True)
-              if h == "fails"}  # fmt: skip
-    baseline: list[tuple[int, int] | None] = []
-    for j in range(len(novel_names)):  # loop over clusters
-        home = np.bincount(b_unl[clusters == j]).argmax() if (clusters == j).any() else -1
-        known = (clusters < 0) & (b_unl == home)
-        baseline.append((int((p_unl[known] <= alpha).sum()), int(known.sum()))
-                        if home in failed else None)  # fmt: skip
+    premise, said, failing = premise_check(p_unl, clusters < 0, b_unl, names, alpha, n_cal)
+    # a cluster whose (main) batch fails the premise is compared with that batch's known cells
+    baseline = [failing.get(int(np.bincount(b_unl[clusters == j]).argmax()))
+                if (clusters == j).any() else None for j in range(len(novel_names))]  # fmt: skip
     table, notes = cluster_support(p_unl, clusters, novel_names, alpha, n_cal, baseline)
     notes = said + notes
     record = {

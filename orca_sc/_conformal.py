@@ -101,7 +101,7 @@ def cluster_support(
     The cells' p-values share one calibration set, so the binomial level is approximate.
     Returns the table (column-wise, storable in ``uns``) and notes for the user.
     """
-    from scipy.stats import binom
+    from scipy.stats import binom, fisher_exact
 
     n = np.bincount(clusters[clusters >= 0], minlength=len(names))
     k = np.bincount(clusters[clusters >= 0], weights=pvalues[clusters >= 0] <= alpha,
@@ -110,8 +110,6 @@ def cluster_support(
     compared = ["alpha"] * len(names)
     for j, base in enumerate(baseline or []):  # loop over clusters
         if base is not None and n[j] > 0:
-            from scipy.stats import fisher_exact
-
             k0, n0 = base
             table0 = [[int(k[j]), int(n[j] - k[j])], [int(k0), int(n0 - k0)]]
             pval[j] = fisher_exact(table0, alternative="greater").pvalue
@@ -156,7 +154,7 @@ def premise_check(
     batch_names: list[str],
     alpha: float,
     n_calibration: int,
-) -> tuple[dict[str, list], list[str]]:
+) -> tuple[dict[str, list], list[str], dict[int, tuple[int, int]]]:
     """Whether the test's premise holds in each batch of unlabelled cells: that the cells the
     run labels a known type are exchangeable with that type's labelled cells, so that about a
     share ``alpha`` of them, and never more than ``2 * alpha`` (the bound cross-fitted
@@ -171,20 +169,26 @@ def premise_check(
     the unlabelled cells'. ``holds`` is ``"holds"``, ``"fails"`` or ``"cannot tell"`` (too few
     calibration cells for the tail, as in :func:`cluster_support`, or no cell labelled a known
     type). The cells' p-values share one calibration set, so the binomial level is approximate.
-    Returns the table (column-wise, storable in ``uns``) and notes for the user.
+    Returns the table (column-wise, storable in ``uns``), notes for the user, and per batch
+    code where it fails the counts ``(k, n)`` of its known-labelled cells with ``p <= alpha``
+    and in all (the ``baseline`` of :func:`cluster_support`).
     """
     from scipy.stats import binom
 
+    bound = min(2 * alpha, 1.0)
     codes = np.unique(batch)
+    failing: dict[int, tuple[int, int]] = {}
     can_tell = alpha * n_calibration >= MIN_TAIL_CELLS
     table: dict[str, list] = {k: [] for k in ("batch", "n_known", "share_p_below_alpha",
                                               "pvalue", "holds")}  # fmt: skip
     for d in codes:  # loop over batches, not cells
         cells = known & (batch == d)
         n, k = int(cells.sum()), int((pvalues[cells] <= alpha).sum())
-        pval = float(binom.sf(k - 1, n, min(2 * alpha, 1.0))) if n else 1.0
+        pval = float(binom.sf(k - 1, n, bound)) if n else 1.0
         holds = "cannot tell" if not (can_tell and n) else (
             "fails" if pval <= alpha / codes.size else "holds")  # fmt: skip
+        if holds == "fails":
+            failing[int(d)] = (k, n)
         for key, v in zip(table, (batch_names[d], n, round(k / max(n, 1), 4), pval, holds),
                           strict=True):  # fmt: skip
             table[key].append(v)
@@ -199,10 +203,10 @@ def premise_check(
         notes.append(
             f"The novelty test's premise fails in batch(es) {where}: that share of the cells "
             f"labelled a known type have p <= {alpha:g}, more than cells that look like the "
-            f"reference's labelled cells ever do (at most {min(2 * alpha, 1):.0%}; binomial test). There the "
+            f"reference's labelled cells ever do (at most {bound:.0%}; binomial test). There the "
             "query's known types are shifted from the reference's (batch, technology, condition) "
             "or known labels hold cells of a type the reference lacks, so the test's error rate "
             "does not hold: read its p-values and verdicts as a ranking "
             "(uns['orca']['novelty_test']['premise'])."
         )
-    return table, notes
+    return table, notes, failing

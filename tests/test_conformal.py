@@ -120,8 +120,10 @@ def test_premise_check_fails_only_where_known_cells_score_below_the_reference():
                         np.full(50, 0.001)])  # fmt: skip
     batch = np.repeat([0, 1, 0], [n, n, 50])
     known = np.repeat([True, True, False], [n, n, 50])  # the last 50: called novel
-    table, notes = premise_check(p, known, batch, ["a", "b"], 0.05, 500)
+    table, notes, failing = premise_check(p, known, batch, ["a", "b"], 0.05, 500)
     assert table["batch"] == ["a", "b"] and table["n_known"] == [n, n]
+    k_b = int((p[n : 2 * n] <= 0.05).sum())
+    assert failing == {1: (k_b, n)}  # the counts a cluster of 'b' is compared with
     assert table["holds"] == ["holds", "fails"]
     assert table["share_p_below_alpha"][1] > 0.15 and table["pvalue"][1] < 1e-6
     assert len(notes) == 1 and "'b'" in notes[0] and "'a'" not in notes[0]
