@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import connected_components
 
 from .._config import DiscoveryConfig
 from .compute import kneighbors
@@ -21,6 +23,7 @@ def cluster_cores(
     n_neighbors: int = _DEFAULTS.n_neighbors,
     min_agree: float = _DEFAULTS.core_min_agree,
     min_core: float = _DEFAULTS.core_min_fraction,
+    link: bool = False,
 ) -> np.ndarray:
     """Cells at the core of a coherent candidate cluster.
 
@@ -30,17 +33,52 @@ def cluster_cores(
     type is nearly all core; a cluster that swept up poorly scored cells of several known types
     (their neighbours are mostly cells of their own, non-candidate type) is not coherent: when
     less than ``min_core`` of its cells are core, none of them is kept. Returns a boolean mask.
+
+    With ``link``, candidates whose cells have at least as many neighbours in another candidate
+    as in their own are pieces of one population with it (:func:`_one_population`); where no
+    piece of a population is coherent alone, a neighbour in any piece agrees. A novel type
+    present in several query batches is voted batch by batch, one candidate per batch, and its
+    cells' neighbours lie in all of them: without the link no piece is coherent, none is
+    anchored, and training can hand the whole type to a known head. Each candidate's share of
+    core cells is still its own (measured, not yet the default: docs/discovery.md).
     """
     core = np.zeros(assign.shape[0], dtype=bool)
     cand = np.flatnonzero(assign >= 0)
     if cand.size == 0 or assign.shape[0] <= n_neighbors:
         return core
     idx = kneighbors(feats, n_neighbors + 1, feats[cand])[:, 1:]  # drop the cell itself
-    agree = (assign[idx] == assign[cand, None]).mean(axis=1)
-    core[cand] = agree >= min_agree
-    n = np.bincount(assign[cand])
-    frac = np.bincount(assign[cand], weights=core[cand]) / np.maximum(n, 1)
+    own, nb = assign[cand], assign[idx]
+    n = np.bincount(own)
+    core[cand] = (nb == own[:, None]).mean(axis=1) >= min_agree
+    frac = np.bincount(own, weights=core[cand]) / np.maximum(n, 1)
+    same = _one_population(own, nb, n.size) if link else None
+    if same is not None:
+        # a population none of whose pieces is coherent alone: are its pieces together?
+        bare = ~(same & (frac >= min_core)[None, :]).any(axis=1)  # (n,) no coherent piece
+        agree = (same[own[:, None], np.maximum(nb, 0)] & (nb >= 0)).mean(axis=1)
+        core[cand] = np.where(bare[own], agree >= min_agree, core[cand])
+        frac = np.bincount(own, weights=core[cand]) / np.maximum(n, 1)
     return core & (assign >= 0) & (frac[np.maximum(assign, 0)] >= min_core)
+
+
+def _one_population(own: np.ndarray, nb: np.ndarray, n: int) -> np.ndarray | None:
+    """``(n, n)`` boolean: candidates ``i`` and ``j`` are pieces of one population (connected
+    by links, a link from ``i`` to ``j`` where ``i``'s cells have at least as many neighbours in
+    ``j`` as in ``i`` itself); ``None`` when no candidate has such a link. ``own`` ``(m,)``:
+    each candidate cell's candidate; ``nb`` ``(m, k)``: the candidates of its neighbours
+    (``-1``: none).
+    """
+    if n < 2:
+        return None
+    inside = nb >= 0
+    counts = np.zeros((n, n))
+    np.add.at(counts, (np.broadcast_to(own[:, None], nb.shape)[inside], nb[inside]), 1.0)
+    links = (counts >= np.diag(counts)[:, None]) & (counts > 0)
+    np.fill_diagonal(links, False)
+    if not links.any():
+        return None
+    _, comp = connected_components(sp.csr_matrix(links), directed=True, connection="weak")
+    return comp[:, None] == comp[None, :]
 
 
 @dataclass(frozen=True)
