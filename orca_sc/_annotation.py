@@ -174,7 +174,7 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
         "folds": cfg.novelty_folds,
         "n_calibration": n_cal,
         "smallest_pvalue": 1.0 / (n_cal + 1),
-        "share_p_below_alpha": float(np.mean(pvalues[unl] <= alpha)) if unl.any() else 0.0,
+        "share_p_below_alpha": float(np.mean(p_unl <= alpha)) if p_unl.size else 0.0,
         "share_q_below_alpha": float(np.mean(qvalues[unl] <= alpha)) if unl.any() else 0.0,
         "clusters": table,
         "premise": premise,

@@ -477,21 +477,21 @@ def test_cluster_cores_link_pieces_of_one_population_and_no_mixed_cluster():
     assign[group == 0] = rng.integers(0, 3, 150)  # one population, three batches' pieces
     mixed = np.r_[np.flatnonzero(group == 1)[:15], np.flatnonzero(group == 2)[:15]]
     assign[mixed] = 3
-    alone = cluster_cores(assign, feats)
+    alone = cluster_cores(assign, feats, link=False)
     assert not alone[group == 0].any()  # about a third of the neighbours in the own piece
-    linked = cluster_cores(assign, feats, link=True)
+    linked = cluster_cores(assign, feats)
     assert linked[group == 0].mean() > 0.95
     assert not linked[assign == 3].any() and not linked[assign == -1].any()
     # two separate coherent candidates are not linked: the same cores with and without
     whole = np.where(group < 2, group, -1)
-    assert (cluster_cores(whole, feats, link=True) == cluster_cores(whole, feats)).all()
+    assert (cluster_cores(whole, feats) == cluster_cores(whole, feats, link=False)).all()
     # a population one of whose pieces is coherent alone: that piece is anchored, the other
     # piece (its cells' neighbours mostly in the first) is left to training, as without links
     big = np.where(group == 0, 0, -1)
     big[np.flatnonzero(group == 0)[:30]] = 1
-    with_link = cluster_cores(big, feats, link=True)
+    with_link = cluster_cores(big, feats)
     assert with_link[big == 0].mean() > 0.95 and not with_link[big == 1].any()
-    assert (with_link == cluster_cores(big, feats)).all()
+    assert (with_link == cluster_cores(big, feats, link=False)).all()
 
 
 def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():

@@ -23,7 +23,7 @@ def cluster_cores(
     n_neighbors: int = _DEFAULTS.n_neighbors,
     min_agree: float = _DEFAULTS.core_min_agree,
     min_core: float = _DEFAULTS.core_min_fraction,
-    link: bool = False,
+    link: bool = True,
 ) -> np.ndarray:
     """Cells at the core of a coherent candidate cluster.
 
@@ -34,13 +34,14 @@ def cluster_cores(
     (their neighbours are mostly cells of their own, non-candidate type) is not coherent: when
     less than ``min_core`` of its cells are core, none of them is kept. Returns a boolean mask.
 
-    With ``link``, candidates whose cells have at least as many neighbours in another candidate
+    With ``link`` (the default), candidates whose cells have at least as many neighbours in another candidate
     as in their own are pieces of one population with it (:func:`_one_population`); where no
     piece of a population is coherent alone, a neighbour in any piece agrees. A novel type
     present in several query batches is voted batch by batch, one candidate per batch, and its
     cells' neighbours lie in all of them: without the link no piece is coherent, none is
     anchored, and training can hand the whole type to a known head. Each candidate's share of
-    core cells is still its own (measured, not yet the default: docs/discovery.md).
+    core cells is still its own (why and what it changed: docs/discovery.md). ``link=False``:
+    each candidate on its own.
     """
     core = np.zeros(assign.shape[0], dtype=bool)
     cand = np.flatnonzero(assign >= 0)
