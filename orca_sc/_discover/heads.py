@@ -34,9 +34,10 @@ def cluster_cores(
     (their neighbours are mostly cells of their own, non-candidate type) is not coherent: when
     less than ``min_core`` of its cells are core, none of them is kept. Returns a boolean mask.
 
-    With ``link`` (the default), candidates whose cells have at least as many neighbours in another candidate
-    as in their own are pieces of one population with it (:func:`_one_population`); where no
-    piece of a population is coherent alone, a neighbour in any piece agrees. A novel type
+    With ``link`` (the default), candidates whose cells have at least as many neighbours in
+    another candidate as in their own are pieces of one population with it
+    (:func:`_one_population`); where no piece of a population is coherent alone, a neighbour in
+    any piece agrees. A novel type
     present in several query batches is voted batch by batch, one candidate per batch, and its
     cells' neighbours lie in all of them: without the link no piece is coherent, none is
     anchored, and training can hand the whole type to a known head. Each candidate's share of
