@@ -37,12 +37,11 @@ def cluster_cores(
     With ``link`` (the default), candidates whose cells have at least as many neighbours in
     another candidate as in their own are pieces of one population with it
     (:func:`_one_population`); where no piece of a population is coherent alone, a neighbour in
-    any piece agrees. A novel type
-    present in several query batches is voted batch by batch, one candidate per batch, and its
-    cells' neighbours lie in all of them: without the link no piece is coherent, none is
-    anchored, and training can hand the whole type to a known head. Each candidate's share of
-    core cells is still its own (why and what it changed: docs/discovery.md). ``link=False``:
-    each candidate on its own.
+    any piece agrees. A novel type present in several query batches is voted batch by batch,
+    one candidate per batch, and its cells' neighbours lie in all of them: without the link no
+    piece is coherent, none is anchored, and training can hand the whole type to a known head.
+    Each candidate's share of core cells is still its own (why and what it changed:
+    docs/discovery.md). ``link=False``: each candidate on its own.
     """
     core = np.zeros(assign.shape[0], dtype=bool)
     cand = np.flatnonzero(assign >= 0)
@@ -73,8 +72,8 @@ def _one_population(own: np.ndarray, nb: np.ndarray, n: int) -> np.ndarray | Non
     if n < 2:
         return None
     inside = nb >= 0
-    counts = np.zeros((n, n))
-    np.add.at(counts, (np.broadcast_to(own[:, None], nb.shape)[inside], nb[inside]), 1.0)
+    pairs = np.broadcast_to(own[:, None], nb.shape)[inside] * n + nb[inside]
+    counts = np.bincount(pairs, minlength=n * n).reshape(n, n)
     links = (counts >= np.diag(counts)[:, None]) & (counts > 0)
     np.fill_diagonal(links, False)
     if not links.any():
