@@ -3,6 +3,7 @@ what was found; rendered in headless Chromium where one is installed.
 """
 
 import base64
+import json
 import shutil
 import struct
 import subprocess
@@ -85,14 +86,19 @@ def test_cli_writes_html_or_json_by_suffix(tmp_path):
     ref_mask &= rng.random(a.n_obs) < 0.5
     a[ref_mask].copy().write_h5ad(tmp_path / "ref.h5ad")
     a[~ref_mask].copy().write_h5ad(tmp_path / "q.h5ad")
-    for name in ("run.html", "run.json"):
-        args = ["annotate", tmp_path / "ref.h5ad", tmp_path / "q.h5ad", "--labels-key",
-                "cell_type", "-o", tmp_path / f"{name}.h5ad", "--report", tmp_path / name,
-                "--truth-key", "cell_type", *FAST_ARGS]  # fmt: skip
-        r = CliRunner().invoke(main, [str(x) for x in args])
-        assert r.exit_code == 0, r.output
+    # annotate writes the HTML page, predict (same writer) the JSON
+    args = ["annotate", tmp_path / "ref.h5ad", tmp_path / "q.h5ad", "--labels-key", "cell_type",
+            "-o", tmp_path / "a.h5ad", "--report", tmp_path / "run.html", "--save-model",
+            tmp_path / "m.pt", "--truth-key", "cell_type", *FAST_ARGS]  # fmt: skip
+    r = CliRunner().invoke(main, [str(x) for x in args])
+    assert r.exit_code == 0, r.output
+    args = ["predict", tmp_path / "m.pt", tmp_path / "q.h5ad", "-o", tmp_path / "p.h5ad",
+            "--report", tmp_path / "run.json", "--truth-key", "cell_type"]  # fmt: skip
+    r = CliRunner().invoke(main, [str(x) for x in args])
+    assert r.exit_code == 0, r.output
     assert (tmp_path / "run.html").read_text().startswith("<!DOCTYPE html>")
-    assert (tmp_path / "run.json").read_text().lstrip().startswith("{")
+    rep = json.loads((tmp_path / "run.json").read_text())
+    assert rep["output"] == str(tmp_path / "p.h5ad") and {"summary", "metrics"} <= set(rep)
     assert not list(tmp_path.glob(".*orca-tmp*"))
 
 
