@@ -79,6 +79,8 @@ class DiscoveryConfig:
         A candidate cell is at its cluster's core when this share of its neighbours is in the cluster.
     core_min_fraction
         A cluster with a smaller share of core cells is not anchored.
+    anchor_significant
+        Also anchor the cells of a candidate of a batch without labelled cells whose conformal novelty p-value is significant at false discovery rate ``novelty_alpha`` (Benjamini-Hochberg over the query cells; needs the p-values of ``query_vote`` ``"contrast"`` or ``"either"``): a small query's candidates have no core, and training hands their novel cells to known heads.
     min_novel_cells
         A novel head that wins fewer unlabelled cells than this is no cluster: its cells take their next most probable head (1: every head with a cell is kept).
     merge_threshold
@@ -124,6 +126,7 @@ class DiscoveryConfig:
     query_min_enrichment: float = 2.5
     core_min_agree: float = 0.5
     core_min_fraction: float = 2 / 3
+    anchor_significant: bool = True
     min_novel_cells: int = 5
     merge_threshold: float | None = 0.8
     no_warmup_rel_threshold: float = 0.1
@@ -175,8 +178,9 @@ class DiscoveryConfig:
         folds = self.novelty_folds
         if not _is_int(folds) or folds < 0 or folds == 1:
             _invalid("novelty_folds", folds, "0 (no p-values) or an integer >= 2")
-        if not isinstance(self.self_check, bool):
-            _invalid("self_check", self.self_check, "True or False")
+        for name in ("self_check", "anchor_significant"):
+            if not isinstance(getattr(self, name), bool):
+                _invalid(name, getattr(self, name), "True or False")
         if self.cross_fit_threshold is None:  # no cross-fitted threshold: the in-sample one
             object.__setattr__(self, "cross_fit_threshold", "none")
         if isinstance(self.cross_fit_threshold, bool):  # saved by 0.2.0: True was the cap

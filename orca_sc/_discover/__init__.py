@@ -46,7 +46,7 @@ from .graph import (
     resolve_resolution,
     subsample_rows,
 )
-from .heads import _novel_heads, cluster_cores
+from .heads import _novel_heads, cluster_cores, significant_cells
 from .labels import (
     _label_evidence,
     label_deserts,
@@ -190,6 +190,11 @@ def discover(
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
                          cfg, seed)  # fmt: skip
+    if cfg.anchor_significant and pvalues is not None:
+        extra = significant_cells(pvalues, query, cfg.novelty_alpha)
+        extra &= (assign >= 0) & (assign < k) & ~heads.core
+        heads = replace(heads, core=heads.core | extra)
+        tau_info = {**tau_info, "n_anchored_significant": int(extra.sum())}
     n_seen = seen_similarity.shape[1]
     return Discovery(
         assign=assign, sizes=tuple(sizes), n_novel=len(sizes), prototypes=heads.prototypes,

@@ -11,6 +11,7 @@ import scipy.sparse as sp
 from scipy.sparse.csgraph import connected_components
 
 from .._config import DiscoveryConfig
+from .._conformal import benjamini_hochberg
 from .compute import kneighbors
 
 _DEFAULTS = DiscoveryConfig()
@@ -60,6 +61,20 @@ def cluster_cores(
         core[cand] = np.where(bare[own], agree >= min_agree, core[cand])
         frac = np.bincount(own, weights=core[cand]) / np.maximum(n, 1)
     return core & (assign >= 0) & (frac[np.maximum(assign, 0)] >= min_core)
+
+
+def significant_cells(pvalues: np.ndarray, query: np.ndarray, alpha: float) -> np.ndarray:
+    """Cells of ``query`` whose conformal novelty p-value is significant at false discovery
+    rate ``alpha`` (Benjamini-Hochberg over all the query cells, a cell without a p-value, NaN,
+    counted as p = 1): of the cells it returns, at most a share ``alpha`` is expected to be
+    known-type cells exchangeable with the reference. Returns a boolean mask.
+    """
+    out = np.zeros(pvalues.shape[0], dtype=bool)
+    rows = np.flatnonzero(query)
+    if rows.size:
+        p = np.where(np.isfinite(pvalues[rows]), pvalues[rows], 1.0)
+        out[rows] = benjamini_hochberg(p) <= alpha
+    return out
 
 
 def _one_population(own: np.ndarray, nb: np.ndarray, n: int) -> np.ndarray | None:
