@@ -616,6 +616,7 @@ def test_every_config_field_is_validated(field, value):
         ("query_min_enrichment", -2),
         ("core_min_agree", 1.2),
         ("core_min_fraction", -0.2),
+        ("anchor_significant", 1),
         ("no_warmup_rel_threshold", 3),
         ("pca_input", "counts"),
     ],
