@@ -491,8 +491,9 @@ def test_orca_alone_on_the_suite_carries_every_figure_and_its_overrides(orca_sui
     for col in ("novel_called", "known_called_novel", "all_acc", "novel_found", "peak_mb",
                 "warmup_steps", "open_world_stopped", "ev_supported_clusters", "threshold"):  # fmt: skip
         assert col in runs, col
-    # novelty_folds=0 took effect: no novelty test, so no p-value figures
-    assert "known_p_below_alpha" not in runs
+    # novelty_folds=0 took effect: no novelty test, so no p-value figures and no cell anchored
+    # for a significant one
+    assert "known_p_below_alpha" not in runs and (runs["anchored_significant"] == 0).all()
     settings = (orca_suite_run / "settings.json").read_text()
     assert '"novelty_folds": 0' in settings and '"anchor_weight": 0.3' in settings
     assert runs["novel_est"].iloc[0] >= 0

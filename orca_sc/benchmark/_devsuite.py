@@ -104,6 +104,9 @@ def orca_row(spec: TaskSpec, task, seed: int, q, rows: slice, seconds: float) ->
         "threshold": uns["estimate"].get("threshold"),
         "pca_input": uns["estimate"].get("integration", {}).get("pca_input", ""),
         "query_vote_extra": _vote_extra(uns["estimate"].get("query_votes")),
+        # query cells anchored for a significant p-value (anchor_significant): a run with none
+        # is the run without the rule
+        "anchored_significant": uns["estimate"].get("n_anchored_significant", 0),
         **_size_check_columns(uns["estimate"].get("size_check")),
         **score(task.truth, pred, task.seen, True),
         "novel_sizes": novel_sizes(task.truth, pred, task.seen),
