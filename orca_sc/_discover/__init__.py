@@ -188,13 +188,13 @@ def discover(
             }
     assign, sizes = _rank_by_size(assign, sizes, groups)
     k = len(sizes) if n_novel == "auto" else int(n_novel)
-    heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
-                         cfg, seed)  # fmt: skip
+    significant = None
     if cfg.anchor_significant and pvalues is not None:
-        extra = significant_cells(pvalues, query, cfg.novelty_alpha)
-        extra &= (assign >= 0) & (assign < k) & ~heads.core
-        heads = replace(heads, core=heads.core | extra)
-        tau_info = {**tau_info, "n_anchored_significant": int(extra.sum())}
+        significant = significant_cells(pvalues, query, cfg.novelty_alpha)
+    heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
+                         cfg, seed, significant)  # fmt: skip
+    if significant is not None:
+        tau_info = {**tau_info, "n_anchored_significant": heads.n_significant}
     n_seen = seen_similarity.shape[1]
     return Discovery(
         assign=assign, sizes=tuple(sizes), n_novel=len(sizes), prototypes=heads.prototypes,

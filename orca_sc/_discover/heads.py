@@ -102,12 +102,16 @@ class _Heads:
     prototypes: np.ndarray  # (k, D) initial weights of the novel heads
     prior: np.ndarray  # (n_seen + k,) the regulariser's target
     core: np.ndarray  # (n,) bool: cells anchored to their candidate's head
+    n_significant: int  # of them, cells anchored for a significant p-value and not core
 
 
 def _novel_heads(embedding, seen_similarity, labels, assign, counts_k, pca_cells,
-                 cfg: DiscoveryConfig, seed: int) -> _Heads:  # fmt: skip
+                 cfg: DiscoveryConfig, seed: int,
+                 significant: np.ndarray | None = None) -> _Heads:  # fmt: skip
     """Prototypes (candidate means; random beyond the candidates), the regulariser's prior and
-    the anchored core cells of the novel heads; ``counts_k``: (heads, candidates).
+    the anchored cells of the novel heads: the core cells (:func:`cluster_cores`) and, with
+    ``significant`` (a mask, :func:`significant_cells`), every candidate cell it holds;
+    ``counts_k``: (heads, candidates).
     """
     k, n_candidates = counts_k
     n_seen = seen_similarity.shape[1]
@@ -133,4 +137,5 @@ def _novel_heads(embedding, seen_similarity, labels, assign, counts_k, pca_cells
     # any mass, so their prior is one cell, not an average cluster; otherwise the regulariser
     # fills them with cells of known types
     counts[n_seen:][counts[n_seen:] == 0] = 1
-    return _Heads(protos, counts / counts.sum(), core)
+    extra = np.zeros_like(core) if significant is None else in_cand & ~core & significant
+    return _Heads(protos, counts / counts.sum(), core | extra, int(extra.sum()))
