@@ -692,7 +692,7 @@ def _csv_list(value: str | None, cast=str) -> list | None:
 @click.option(
     "--only",
     multiple=True,
-    help="Run only the tasks whose name contains this text (repeatable).",
+    help="Run only the task of this name, or the tasks whose name contains this text (repeatable).",
 )
 @click.option(
     "--set",
@@ -783,9 +783,9 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
                 )
             specs = _builtin_specs(suite, data_dir, quick, tasks, large)
         if only:
-            specs = [s for s in specs if any(o in s.name for o in only)]
+            specs = B.select_tasks(specs, only)
             if not specs:
-                raise CliError(f"no task name contains any of --only {list(only)}.")
+                raise CliError(f"no task name is or contains any of --only {list(only)}.")
         orca_alone = method_list == ["ORCA"] and (
             suite == "dev" or set_pairs or task_seed is not None
         )

@@ -236,6 +236,18 @@ def test_dev_suite_cli_reports_novel_calls(tmp_path):
     assert md in r.stdout
 
 
+def test_only_selects_a_task_by_its_exact_name_before_parts_of_names():
+    """``--only sim_novel1`` runs that task, not also ``sim_novel10``; text that names no task
+    exactly still selects every task whose name contains it.
+    """
+    names = lambda only: [s.name for s in B.dev_suite(None, only=only)]  # noqa: E731
+    assert names(["sim_novel1"]) == ["sim_novel1"]
+    assert {"sim_novel1", "sim_novel10", "sim_novel20"} <= set(names(["sim_novel"]))
+    assert names(["sim_novel1", "scale5k"]) == ["sim_novel1", "sim_scale5k_sparse",
+                                                 "sim_scale5k_dense"]  # fmt: skip
+    assert names(["no_such_task"]) == []
+
+
 def test_scale_task_changes_only_the_number_of_cells():
     """The scale task: the same simulated setting at every size (only the cells change), its
     large sizes in the large tier only, at two depths.
@@ -536,7 +548,7 @@ def test_compare_and_suite_options_refuse_bad_input(tmp_path, orca_suite_run):
         (["--set", "novelty_folds=0"], "apply to ORCA alone"),
         (["--method", "ORCA", "--set", "no_such_option=1"], "no_such_option"),
         (["--method", "ORCA", "--set", "epochs"], "is not key=value"),
-        (["--suite", "dev", "--only", "no_such_task"], "no task name contains"),
+        (["--suite", "dev", "--only", "no_such_task"], "no task name is or contains"),
     ]:
         assert_cli_error(CliRunner().invoke(main, ["benchmark", "--quick", *args, *out]), msg)
         assert not (tmp_path / "o").exists()

@@ -251,8 +251,8 @@ def dev_suite(
     the simulator sweep and the scale task below 50,000 cells; ``large=False`` leaves out the
     50,000-cell query of the sweep. ``scale``: the large tier, run for every change of
     discovery or of training length: the scale task at 50,000 and 100,000 cells and the real
-    tasks grown to ~50,000 cells (:func:`grown_tasks`). With ``only``, the tasks whose name
-    contains one of its strings.
+    tasks grown to ~50,000 cells (:func:`grown_tasks`). With ``only``, the tasks it names
+    (:func:`select_tasks`).
     """
     from ._hard import hard_tasks
 
@@ -263,9 +263,18 @@ def dev_suite(
     ]
     if scale:
         specs += grown_tasks(data_dir)
-    if only:
-        specs = [s for s in specs if any(o in s.name for o in only)]
-    return specs
+    return select_tasks(specs, only) if only else specs
+
+
+def select_tasks(specs: Sequence[TaskSpec], only: Sequence[str]) -> list[TaskSpec]:
+    """The tasks of ``specs`` named by ``only``: for each string, the task of exactly that
+    name where there is one (``sim_novel1`` is not also ``sim_novel10``), else every task
+    whose name contains it (``scale50k``, ``grown``).
+    """
+    names = {s.name for s in specs}
+    exact = {o for o in only if o in names}
+    parts = [o for o in only if o not in exact]
+    return [s for s in specs if s.name in exact or any(o in s.name for o in parts)]
 
 
 #: the suite's goals per task (share of novel-type cells called novel, of known-type cells
