@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 MarginMode = Literal["adaptive", "fixed", "zero"]
 AlignMode = Literal["centroid", "standardize", "none"]
 PriorMode = Literal["data", "uniform"]
-PairSpace = Literal["both", "pca", "embedding"]
+PairSpace = Literal["both", "query_pca", "pca", "embedding"]
 
 #: Scale ``s`` of the L2-normalised head (paper Eq. 3). Defined here once; the head multiplies its
 #: cosine similarities by it and the margin is expressed in cosine units.
@@ -318,7 +318,7 @@ class OrcaConfig:
     prior
         Target of the regulariser: ``"data"`` (estimated class sizes) or ``"uniform"`` (the paper).
     pair_space
-        Where unlabelled cells' pair partners are found: ``"both"``, ``"pca"`` or ``"embedding"`` (the paper).
+        Where unlabelled cells' pair partners are found: ``"both"``, ``"query_pca"`` (``"pca"`` for the cells of batches without labelled cells, ``"both"`` elsewhere), ``"pca"`` or ``"embedding"`` (the paper).
     pair_pcs
         Principal components of that PCA.
     mutual_pairs
@@ -369,7 +369,7 @@ class OrcaConfig:
     supervised: bool = True
     regularizer: bool = True
     prior: PriorMode = "data"
-    pair_space: PairSpace = "both"
+    pair_space: PairSpace = "query_pca"
     pair_pcs: int = 30
     mutual_pairs: int = 3
     majority_vote: bool = False
@@ -438,8 +438,8 @@ class OrcaConfig:
             and re.fullmatch(r"auto|cpu|mps|cuda(:[0-9]+)?", self.device) is not None
         ):
             _invalid("device", self.device, '"auto", "cpu", "cuda", "cuda:N" or "mps"')
-        if self.pair_space not in ("both", "pca", "embedding"):
-            _invalid("pair_space", self.pair_space, '"both", "pca" or "embedding"')
+        if self.pair_space not in ("both", "query_pca", "pca", "embedding"):
+            _invalid("pair_space", self.pair_space, '"both", "query_pca", "pca" or "embedding"')
         if not _is_int(self.pair_pcs) or self.pair_pcs < 2:
             _invalid("pair_pcs", self.pair_pcs, "an integer >= 2")
         if not _is_int(self.mutual_pairs) or self.mutual_pairs < 0:

@@ -485,9 +485,13 @@ def open_world(run: RunContext, warm: WarmUp, cand: Candidates) -> OpenWorldFit:
     found, rows = cand.found, cand.rows
     novel = NovelHeads(found.prototypes, found.prior, rows[found.anchor_cells], found.anchor_heads)
     pairs = run.comm.on_main(_pair_features, run)
+    fixed_only = None
+    if run.config.pair_space == "query_pca":
+        lab = run.data.labels >= 0
+        fixed_only = ~np.isin(run.data.domain, np.unique(run.data.domain[lab]))
     net, history = fit_open_world(
         warm.net, run.cells, run.data.labels, novel, run.config, run.plan, run.rand, pairs,
-        run.comm,
+        run.comm, pair_fixed_only=fixed_only,
     )  # fmt: skip
     return OpenWorldFit(net, history)
 
@@ -661,7 +665,7 @@ def _pair_features(run: RunContext) -> np.ndarray | None:
     expression (``pair_space``): the net's embedding, trained on the seen classes, does not yet
     separate novel types.
     """
-    if run.config.pair_space not in ("pca", "both"):
+    if run.config.pair_space not in ("pca", "both", "query_pca"):
         return None
     return run.pca(run.config.pair_pcs)
 

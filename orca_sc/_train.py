@@ -36,6 +36,7 @@ from .module import (
     margin_cross_entropy,
     masked_margin_cross_entropy,
     orca_objective,
+    split_cosine_similarity,
 )
 
 logger = logging.getLogger(__name__)
@@ -462,13 +463,16 @@ def fit_open_world(
     rand: TrainRandom,
     pair_features: np.ndarray | None = None,
     comm: Comm | None = None,
+    pair_fixed_only: np.ndarray | None = None,
 ) -> tuple[OrcaNet, list[dict]]:
     """ORCA's open-world phase (paper Algorithm 1) on all cells: a new net with ``net``'s
     backbone and seen heads plus the novel heads of ``novel``, trained with the full objective
     for at most the epochs after the warm-up (the first ``plan.anchor`` of them with the anchor
     term), stopped earlier by ``config``'s :class:`StopRule` (not during the anchor epochs).
     ``pair_features`` ``(n_cells, P)``: a fixed space in which unlabelled cells' pairwise
-    partners are also looked for (``config.pair_space``). ``net`` is left as it is.
+    partners are also looked for (``config.pair_space``); ``pair_fixed_only`` ``(n_cells,)``:
+    the cells that look for them in that space alone (``pair_space="query_pca"``: the cells of
+    batches without labelled cells). ``net`` is left as it is.
     """
     dev = data.device
     with rand.torch_stream():
@@ -483,12 +487,14 @@ def fit_open_world(
             y_anchor[torch.as_tensor(novel.anchor_rows, device=dev)] = torch.as_tensor(
                 novel.anchor_heads, dtype=torch.int64, device=dev
             )
-        feats = None
+        feats = fixed_only = None
         if pair_features is not None:
             feats = torch.as_tensor(pair_features, dtype=torch.float32, device=dev)
+        if pair_fixed_only is not None:
+            fixed_only = torch.as_tensor(pair_fixed_only, dtype=torch.bool, device=dev)
         loss = OrcaLoss(
             data, labels, config, plan, comm, full=True, prior=prior, y_anchor=y_anchor,
-            pair_features=feats, generator=rand.pairs,
+            pair_features=feats, generator=rand.pairs, pair_fixed_only=fixed_only,
         )  # fmt: skip
         epochs = range(plan.warmup, plan.n_epochs)
         history = _fit(net, loss, data, labels, epochs, plan, config, rand, comm)
@@ -568,7 +574,8 @@ class OrcaLoss:
     :data:`UNCERTAINTY_CELLS`); the regulariser's ``prior``; the anchored cells' heads
     ``y_anchor`` (``(n_cells,)``, ``-1``: not anchored; used in the first ``plan.anchor``
     epochs after the warm-up, which the stopping rule never cuts); the fixed
-    ``pair_features`` ``(n_cells, P)``; the labelled cells' pair partners drawn from
+    ``pair_features`` ``(n_cells, P)`` and the cells that look for partners in it alone,
+    ``pair_fixed_only`` ``(n_cells,)``; the labelled cells' pair partners drawn from
     ``generator``. ``full=False``: the warm-up's supervised term alone.
     """
 
@@ -577,13 +584,14 @@ class OrcaLoss:
     def __init__(
         self, data: CellMatrix, labels: np.ndarray, config: OrcaConfig, plan: Schedule, comm,
         *, full: bool, prior=None, y_anchor=None, pair_features=None, generator=None,
+        pair_fixed_only=None,
     ) -> None:  # fmt: skip
         self.data, self.config, self.plan, self.full = data, config, plan, full
         self.comm = comm if comm is not None and comm.active else None
         self.y_all = torch.as_tensor(labels, device=data.device)
         self.u_rows = _uncertainty_rows(np.flatnonzero(labels < 0), config.seed)
         self.prior, self.y_anchor, self.pair_features = prior, y_anchor, pair_features
-        self.generator = generator
+        self.generator, self.pair_fixed_only = generator, pair_fixed_only
         self.margin, self.anchored = 0.0, False
         self._u_batches: list | None = None  # built at the first refresh, read at every one
 
@@ -609,6 +617,8 @@ class OrcaLoss:
             full=self.full, prior=self.prior,
             y_anchor=self.y_anchor[idx] if self.anchored else None,
             pair_features=self.pair_features[idx] if self.pair_features is not None else None,
+            pair_fixed_only=(self.pair_fixed_only[idx] if self.pair_fixed_only is not None
+                             else None),
         )  # fmt: skip
 
 
@@ -651,7 +661,7 @@ def _adam(net: OrcaNet, config: OrcaConfig) -> torch.optim.Adam:
 
 def orca_loss_terms(
     net, x, y, margin: float, config: OrcaConfig, gen: torch.Generator | None, *, full: bool,
-    prior=None, y_anchor=None, pair_features=None,
+    prior=None, y_anchor=None, pair_features=None, pair_fixed_only=None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Eq. 1 on one batch: L = L_S + eta1 L_P + eta2 R, each term switchable (``full=False``:
     the warm-up's supervised term alone). ``prior``, ``y_anchor`` and ``pair_features``: the
@@ -681,10 +691,17 @@ def orca_loss_terms(
     anchor = zero
     if y_anchor is not None:
         anchor = masked_margin_cross_entropy(logits, y_anchor, 0.0)
+    similarity = None
     if pair_features is None:  # pair_space="embedding"
         space = feat
     elif config.pair_space == "both":
         space = joint_cosine_features(pair_features, feat)
+    elif config.pair_space == "query_pca":
+        space = feat
+        fixed_only = pair_fixed_only
+        if fixed_only is None:
+            fixed_only = torch.zeros(feat.shape[0], dtype=torch.bool, device=feat.device)
+        similarity = split_cosine_similarity(pair_features, feat, fixed_only)
     else:
         space = pair_features
     terms = orca_objective(
@@ -700,6 +717,7 @@ def orca_loss_terms(
         mutual=config.mutual_pairs,
         supervised=config.supervised,
         regularizer=config.regularizer,
+        pair_similarity=similarity,
     )
     loss = terms.loss + config.anchor_weight * anchor
     return loss, terms.supervised, terms.pairwise, terms.regularizer, anchor

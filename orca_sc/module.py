@@ -401,11 +401,26 @@ def joint_cosine_features(*spaces: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.normalize(s.detach(), dim=1) for s in spaces], dim=1)
 
 
+def split_cosine_similarity(
+    fixed: torch.Tensor, learned: torch.Tensor, fixed_only: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two ``(B, B)`` similarities for :func:`select_pairs` and the rows that read the first:
+    the cosines in the ``fixed`` ``(B, P)`` space alone, and the mean of the cosines in it and
+    in the ``learned`` ``(B, D)`` space (as :func:`joint_cosine_features`). A row of
+    ``fixed_only`` finds its partner, and is checked among the partner's nearest cells, in the
+    first; every other row in the second.
+    """
+    p = F.normalize(fixed.detach(), dim=1)
+    joint = F.normalize(joint_cosine_features(fixed, learned), dim=1)
+    return p @ p.T, joint @ joint.T, fixed_only
+
+
 def select_pairs(
     features: torch.Tensor,
     labels: torch.Tensor,
     generator: torch.Generator | None = None,
     mutual: int = 0,
+    similarity: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Index of each cell's positive partner within the mini-batch (paper §3.3).
 
@@ -414,27 +429,41 @@ def select_pairs(
     cosine similarity among all other cells of the batch. With ``mutual = k > 0``, that neighbour
     is kept only when the cell is also among the neighbour's ``k`` nearest cells of the batch;
     otherwise the cell is its own partner (the pairwise term then asks its two dropout views to
-    agree). Fully vectorised: ``O(B^2)`` on the batch.
+    agree). ``similarity``: two ``(B, B)`` similarities and a ``(B,)`` mask to use instead of
+    the cosines of ``features`` (:func:`split_cosine_similarity`): a masked row's neighbour, and
+    the neighbour's nearest cells, are read in the first, every other row's in the second.
+    Fully vectorised: ``O(B^2)`` on the batch.
     """
     n = features.shape[0]
     device = features.device
-    # unlabelled: cosine nearest neighbour, self excluded
-    f = F.normalize(features.detach(), dim=1)
-    sim = f @ f.T  # (B, B)
-    sim.fill_diagonal_(-math.inf)
     self_idx = torch.arange(n, device=device)
+    # unlabelled: cosine nearest neighbour, self excluded
+    if similarity is None:
+        f = F.normalize(features.detach(), dim=1)
+        nn_idx = _nearest(f @ f.T, mutual, self_idx)  # (B, B) cosines
+    else:  # both read for every row (no wait on the device), each row keeps its own
+        first, second, use_first = similarity
+        nn_idx = torch.where(use_first, _nearest(first.detach().clone(), mutual, self_idx),
+                             _nearest(second.detach().clone(), mutual, self_idx))  # fmt: skip
+    lab = labels >= 0
+    partner = _random_class_partner(labels, generator)
+    return torch.where(lab, partner, nn_idx) if n > 1 else self_idx
+
+
+def _nearest(sim: torch.Tensor, mutual: int, self_idx: torch.Tensor) -> torch.Tensor:
+    """Each row's nearest other cell by ``sim`` (changed in place: its diagonal), or the cell
+    itself where it is not among that cell's ``mutual`` nearest (:func:`select_pairs`).
+    """
+    n = sim.shape[0]
+    sim.fill_diagonal_(-math.inf)
     if mutual > 0 and n > 2:
         # a cell that is not among its neighbour's k nearest cells sits outside the neighbour's
         # group (e.g. the batch holds no other cell of its type): pair it with itself
         topk = sim.topk(min(mutual, n - 1), dim=1).indices  # (B, k), nearest first
         nn_idx = topk[:, 0]
         is_mutual = (topk[nn_idx] == self_idx[:, None]).any(dim=1)
-        nn_idx = torch.where(is_mutual, nn_idx, self_idx)
-    else:
-        nn_idx = sim.argmax(dim=1)
-    lab = labels >= 0
-    partner = _random_class_partner(labels, generator)
-    return torch.where(lab, partner, nn_idx) if n > 1 else self_idx
+        return torch.where(is_mutual, nn_idx, self_idx)
+    return sim.argmax(dim=1)
 
 
 def _random_class_partner(labels: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -510,6 +539,7 @@ def orca_objective(
     supervised: bool = True,
     regularizer: bool = True,
     scale: float = HEAD_SCALE,
+    pair_similarity: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> ObjectiveTerms:
     """ORCA's objective on one mini-batch (paper Eq. 1): margin cross-entropy on the labelled
     examples, pairwise term on each example's positive partner, regulariser of the mean prediction.
@@ -518,14 +548,16 @@ def orca_objective(
     dropout mask for cells, another augmented view for images): each example's prediction is
     compared with its partner's prediction in the second pass. ``pair_space`` ``(B, P)``: where
     unlabelled examples look for their nearest neighbour (:func:`select_pairs`); ``labels`` ``(B,)``
-    class index, ``-1`` for unlabelled. Used unchanged by the single-cell trainer and by
+    class index, ``-1`` for unlabelled; ``pair_similarity``: their similarities, where given
+    (:func:`split_cosine_similarity`). Used unchanged by the single-cell trainer and by
     :mod:`orca_sc.vision`.
     """
     zero = logits.sum() * 0.0
     sup = masked_margin_cross_entropy(logits, labels, margin, scale) if supervised else zero
     prob = F.softmax(logits, dim=1)
     prob2 = F.softmax(logits_pair, dim=1)
-    pair_idx = select_pairs(pair_space, labels, generator, mutual=mutual)
+    pair_idx = select_pairs(pair_space, labels, generator, mutual=mutual,
+                            similarity=pair_similarity)  # fmt: skip
     # index_select, not prob2[pair_idx]: the indexed gather's backward accumulates the rows of
     # partners shared by several cells on several threads in a varying order (with hundreds of
     # heads), so the same seed gave other labels

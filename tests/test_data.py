@@ -505,6 +505,25 @@ def test_small_query_keeps_its_novel_type_with_significant_cells_anchored():
     assert called[novel].mean() >= 0.9 and called[~novel].mean() <= 0.05
 
 
+def test_small_query_keeps_its_known_cells_with_pairs_in_the_expression_pca():
+    """One 180-cell query of two known types and one novel type (the development suite's
+    ``sim_queries1_q180`` at seed 0). Discovery finds the novel type exactly; with partners
+    from the net's embedding as well (``pair_space="both"``) training then hands a sixth of the
+    known-type cells to its head. Pairing the query's cells in the PCA of the aligned
+    expression alone (the partner's nearest cells read there too) keeps them known.
+    """
+    from orca_sc.benchmark import dev_suite
+    from orca_sc.benchmark._methods import annotate_task
+
+    task = dev_suite(None, only=["sim_queries1_q180"])[0].make(0)
+    for space, known_ok in (("query_pca", True), ("both", False)):
+        a, q = annotate_task(task, 0, pair_space=space)
+        novel = np.isin(a.obs["truth"].to_numpy()[q], task.novel)
+        called = a.obs["orca_novel"].notna().to_numpy()[q]
+        assert called[novel].mean() >= 0.9
+        assert (called[~novel].mean() <= 0.05) == known_ok, (space, called[~novel].mean())
+
+
 def test_cluster_cores_link_pieces_of_one_population_and_no_mixed_cluster():
     """A group voted in three query batches is three candidates whose cells' neighbours lie in
     all three: alone no piece is coherent; linked, every piece is. A cluster of scattered

@@ -15,6 +15,7 @@ from orca_sc.module import (
     orca_objective,
     pairwise_loss,
     select_pairs,
+    split_cosine_similarity,
 )
 
 
@@ -120,6 +121,30 @@ def test_joint_cosine_features_average_the_cosines_and_pair_close_in_both_spaces
     assert int(select_pairs(joint, unlabelled)[0]) == 2
     mean_cos = ((cos(pca) + cos(emb)) / 2).fill_diagonal_(-2.0)
     assert torch.equal(select_pairs(joint, unlabelled), mean_cos.argmax(dim=1))
+
+
+def test_split_similarity_reads_the_fixed_space_alone_for_its_rows_and_both_elsewhere():
+    """``pair_space="query_pca"``: rows of batches without labelled cells find their partner,
+    and are checked among the partner's nearest cells, in the PCA alone; the other rows pair
+    exactly as with ``"both"``.
+    """
+    g = torch.Generator().manual_seed(0)
+    pca, emb = torch.randn(200, 30, generator=g), torch.randn(200, 64, generator=g)
+    labels = torch.full((200,), -1)
+    labels[:60] = torch.randint(0, 3, (60,), generator=g)
+    fixed = torch.zeros(200, dtype=torch.bool)
+    fixed[120:] = True
+
+    def pairs(feats, similarity=None):
+        gen = torch.Generator().manual_seed(1)
+        return select_pairs(feats, labels, gen, mutual=3, similarity=similarity)
+
+    split = pairs(emb, split_cosine_similarity(pca, emb, fixed))
+    both, alone = pairs(joint_cosine_features(pca, emb)), pairs(pca)
+    assert torch.equal(split[~fixed], both[~fixed]) and torch.equal(split[fixed], alone[fixed])
+    assert not torch.equal(both[fixed], alone[fixed])  # the two spaces do pair differently
+    none = split_cosine_similarity(pca, emb, torch.zeros(200, dtype=torch.bool))
+    assert torch.equal(pairs(emb, none), both)
 
 
 def test_select_pairs_mutual_keeps_pairs_within_groups_and_self_pairs_strangers():

@@ -166,7 +166,10 @@ def sim_settings(large: bool = True) -> list[SimSetting]:
         replace(b, name="typeshift0.4", type_batch_strength=0.4),
         replace(b, name="typeshift0.8", type_batch_strength=0.8),
         # several queries sharing their known types and one novel type, annotated together:
-        # 60 cells per type (two known, one novel) up to thousands of cells per query
+        # 60 cells per type (two known, one novel) up to thousands of cells per query; and one
+        # such 180-cell query alone
+        replace(b, name="queries1_q180", n_seen=2, n_novel=1, n_ref=500, n_query=180,
+                imbalance=1.0),
         replace(b, name="queries2_q180", n_seen=2, n_novel=1, n_ref=500, n_query=180,
                 imbalance=1.0, n_queries=2),
         replace(b, name="queries3_q180", n_seen=2, n_novel=1, n_ref=500, n_query=180,
