@@ -33,6 +33,7 @@ from ._discover import (
     discover,
     discover_without_warmup,
     pca_embedding,
+    query_batch_cells,
     self_check_report,
     self_check_split,
     size_check,
@@ -485,10 +486,10 @@ def open_world(run: RunContext, warm: WarmUp, cand: Candidates) -> OpenWorldFit:
     found, rows = cand.found, cand.rows
     novel = NovelHeads(found.prototypes, found.prior, rows[found.anchor_cells], found.anchor_heads)
     pairs = run.comm.on_main(_pair_features, run)
-    fixed_only = None
+    fixed_only = None  # a run without a query batch pairs as with "both": nothing to split
     if run.config.pair_space == "query_pca":
-        lab = run.data.labels >= 0
-        fixed_only = ~np.isin(run.data.domain, np.unique(run.data.domain[lab]))
+        query = query_batch_cells(run.data.labels, run.data.domain)
+        fixed_only = query if query.any() else None
     net, history = fit_open_world(
         warm.net, run.cells, run.data.labels, novel, run.config, run.plan, run.rand, pairs,
         run.comm, pair_fixed_only=fixed_only,

@@ -694,14 +694,11 @@ def orca_loss_terms(
     similarity = None
     if pair_features is None:  # pair_space="embedding"
         space = feat
-    elif config.pair_space == "both":
+    elif config.pair_space == "query_pca" and pair_fixed_only is not None:
+        space = feat  # its shape only: the partners are read in the two similarities
+        similarity = split_cosine_similarity(pair_features, feat, pair_fixed_only)
+    elif config.pair_space in ("both", "query_pca"):  # "query_pca" without a query cell
         space = joint_cosine_features(pair_features, feat)
-    elif config.pair_space == "query_pca":
-        space = feat
-        fixed_only = pair_fixed_only
-        if fixed_only is None:
-            fixed_only = torch.zeros(feat.shape[0], dtype=torch.bool, device=feat.device)
-        similarity = split_cosine_similarity(pair_features, feat, fixed_only)
     else:
         space = pair_features
     terms = orca_objective(

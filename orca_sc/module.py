@@ -431,7 +431,8 @@ def select_pairs(
     otherwise the cell is its own partner (the pairwise term then asks its two dropout views to
     agree). ``similarity``: two ``(B, B)`` similarities and a ``(B,)`` mask to use instead of
     the cosines of ``features`` (:func:`split_cosine_similarity`): a masked row's neighbour, and
-    the neighbour's nearest cells, are read in the first, every other row's in the second.
+    the neighbour's nearest cells, are read in the first, every other row's in the second; both
+    are used up (their diagonals overwritten).
     Fully vectorised: ``O(B^2)`` on the batch.
     """
     n = features.shape[0]
@@ -443,8 +444,8 @@ def select_pairs(
         nn_idx = _nearest(f @ f.T, mutual, self_idx)  # (B, B) cosines
     else:  # both read for every row (no wait on the device), each row keeps its own
         first, second, use_first = similarity
-        nn_idx = torch.where(use_first, _nearest(first.detach().clone(), mutual, self_idx),
-                             _nearest(second.detach().clone(), mutual, self_idx))  # fmt: skip
+        nn_idx = torch.where(use_first, _nearest(first.detach(), mutual, self_idx),
+                             _nearest(second.detach(), mutual, self_idx))  # fmt: skip
     lab = labels >= 0
     partner = _random_class_partner(labels, generator)
     return torch.where(lab, partner, nn_idx) if n > 1 else self_idx

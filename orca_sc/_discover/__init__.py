@@ -52,6 +52,7 @@ from .labels import (
     label_deserts,
     labelled_neighbours,
     labelled_support,
+    query_batch_cells,
     segregated_batches,
 )
 from .naming import match_known_types, match_novel_across_batches, name_heads
@@ -120,7 +121,7 @@ def discover(
     predicted = seen_similarity.argmax(axis=1)  # the seen head that scores each cell best
     ev = _label_evidence(lab, domain, pca_cells, cfg, domain_names)
     # batches without any labelled cell (a separate query): candidates are voted per cluster
-    query = ~np.isin(domain, np.unique(domain[lab]))
+    query = query_batch_cells(labels, domain)
     # candidates are cut at the granularity of the labelled types (only where labelled and
     # unlabelled cells share a batch: query batches are voted at cfg.query_resolution)
     resolution, scores = resolve_resolution(
@@ -230,6 +231,7 @@ __all__ = [
     "ood_clusters",
     "ood_threshold",
     "pca_embedding",
+    "query_batch_cells",
     "query_ood_clusters",
     "query_pvalues",
     "resolve_resolution",

@@ -108,6 +108,13 @@ def label_deserts(
     return desert
 
 
+def query_batch_cells(labels: np.ndarray, domain: np.ndarray) -> np.ndarray:
+    """``(n,)`` bool: the cells of batches without any labelled cell (``labels >= 0``), i.e. of
+    a separate query.
+    """
+    return ~np.isin(domain, np.unique(domain[labels >= 0]))
+
+
 def segregated_batches(
     labeled: np.ndarray,
     domain: np.ndarray,
