@@ -12,6 +12,7 @@ from conftest import SHARED_DATA, assert_cli_error
 import orca_sc
 from orca_sc import OrcaInputError
 from orca_sc import benchmark as B
+from orca_sc.benchmark._splits import TRUTH
 from orca_sc.cli import main
 
 SHARED = SHARED_DATA
@@ -76,6 +77,23 @@ def test_lr_baseline_rejects_the_oracle_fraction(sim):
     assert len(set(pred[rejected])) == len(t.novel)  # KMeans with the true number of types
     s = B.score(t.truth, pred, t.seen, True)
     assert s["seen_acc"] > 0.9 and s["novel_acc"] > 0.8  # well-separated simulated types
+
+
+def test_supervised_reference_predicts_each_cell_from_a_fold_that_did_not_see_it(sim):
+    t = B.batch_split(sim, "cell_type", "batch", ["batch_0"], novel_classes=["type_4", "type_5"])
+    ref = B.METHODS["Supervised reference (query labels, CV)"]
+    pred = ref.run(t, 0)
+    truth = t.truth
+    novel = np.isin(truth, t.novel)
+    # novel types are named after the truth it was trained on, known ones as the reference's
+    assert set(pred[novel]) <= {f"novel:{c}" for c in t.novel}
+    s = B.score(truth, pred, t.seen, ref.names_types)
+    assert s["all_acc"] > 0.9 and s["novel_found"] == 2  # well-separated simulated types
+    # a class held by one cell only is never predicted for it: its fold did not train on it
+    obs = t.query.obs
+    obs[TRUTH] = obs[TRUTH].astype(str)
+    obs.iloc[0, obs.columns.get_loc(TRUTH)] = "only_here"
+    assert "novel:only_here" not in set(ref.run(t, 0))
 
 
 def test_knn_transfer_and_clustering_baselines(sim):
