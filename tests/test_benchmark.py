@@ -94,6 +94,12 @@ def test_supervised_reference_predicts_each_cell_from_a_fold_that_did_not_see_it
     obs[TRUTH] = obs[TRUTH].astype(str)
     obs.iloc[0, obs.columns.get_loc(TRUTH)] = "only_here"
     assert "novel:only_here" not in set(ref.run(t, 0))
+    # in a grown task the draws of one cell share a fold: none of them trains the others' net
+    g = B.grow_task(t, 3 * (t.reference.n_obs + t.query.n_obs), seed=0)
+    obs = g.query.obs
+    first = [f"{t.query.obs_names[0]}-{k}" for k in range(3)]
+    obs.loc[first, TRUTH] = "only_here"
+    assert "novel:only_here" not in set(ref.run(g, 0))
 
 
 def test_knn_transfer_and_clustering_baselines(sim):
@@ -426,6 +432,24 @@ def test_suite_table_reports_seed_spread_and_the_worst_task():
     assert "novel_called: worst a 0.900; 2 of 2 tasks meet >= 0.9" in lines
     assert "known_called_novel: worst a 0.050; 2 of 2 tasks meet <= 0.05" in lines
     assert "found_exact: worst b 0.500; 1 of 2 tasks meet >= 0.7" in lines
+
+
+def test_shortfalls_give_the_supervised_reference_as_the_reason():
+    from orca_sc.benchmark._suite import REFERENCE, shortfalls, suite_table
+
+    rows = []
+    for method, task, called, known in (("ORCA", "a", 0.5, 0.2), ("ORCA", "b", 0.95, 0.01),
+                                        ("ORCA", "c", 0.6, 0.0), (REFERENCE, "a", 0.95, 0.3)):  # fmt: skip
+        rows.append({"task": task, "method": method, "seed": 0, "n_query": 100,
+                     "seen_acc": 0.9, "novel_acc": 0.8, "all_acc": 0.85, "novel_called": called,
+                     "known_called_novel": known, "novel_found": 2, "novel_true": 2,
+                     "seconds": 1.0, "error": ""})  # fmt: skip
+    lines = shortfalls(suite_table(pd.DataFrame(rows)))
+    assert lines == [
+        "- a: novel->novel 0.500; the supervised reference 0.950 meets the goal",
+        "- a: known->novel 0.200; the supervised reference 0.300 misses it too",
+        "- c: novel->novel 0.600",
+    ]
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="shared data absent")

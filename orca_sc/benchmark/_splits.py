@@ -159,9 +159,10 @@ def grow_task(
         for a, t in zip((task.reference, task.query), types, strict=True)
     )
     suffix = "" if mode == "redraw" else "_mix"
+    info = {k: v for k, v in task.info.items() if not k.startswith("_")}  # not the caches
     return Task(
         f"{task.name}_x{factor}{suffix}", ref, query, task.labels_key, task.seen, task.single,
-        task.seed, {**task.info, "grown": {"factor": factor, "keep": keep, "mode": mode}},
+        task.seed, {**info, "grown": {"factor": factor, "keep": keep, "mode": mode}},
     )  # fmt: skip
 
 
