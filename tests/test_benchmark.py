@@ -452,6 +452,25 @@ def test_shortfalls_give_the_supervised_reference_as_the_reason():
     ]
 
 
+def test_below_peers_names_the_best_peer_that_uses_no_truth():
+    from orca_sc.benchmark._suite import below_peers, suite_table
+
+    rows = []
+    for method, task, acc in (("ORCA", "a", 0.80), ("ORCA", "b", 0.90),
+                              ("CellTypist + Leiden", "a", 0.85),
+                              ("kNN transfer (ingest-like) + Leiden", "a", 0.83),
+                              ("LR + oracle reject + KMeans", "b", 0.99),
+                              ("kNN transfer (ingest-like) + Leiden", "b", 0.91)):  # fmt: skip
+        rows.append({"task": task, "method": method, "seed": 0, "n_query": 100,
+                     "seen_acc": acc, "novel_acc": acc, "all_acc": acc, "novel_called": 0.9,
+                     "known_called_novel": 0.0, "novel_found": 2, "novel_true": 2,
+                     "seconds": 1.0, "error": ""})  # fmt: skip
+    # b: 0.90 against kNN's 0.91 is within 2 points; the oracle-given LR is no peer here
+    assert below_peers(suite_table(pd.DataFrame(rows))) == [
+        "- a: all-class 0.800, CellTypist + Leiden 0.850"
+    ]
+
+
 @pytest.mark.skipif(not SHARED.is_dir(), reason="shared data absent")
 def test_the_dev_suite_holds_the_hard_corners_of_the_real_data():
     specs = {s.name: s for s in B.dev_suite(SHARED, large=False)}
