@@ -67,6 +67,8 @@ class DiscoveryConfig:
         Binomial level below which a cell has too few labelled neighbours for a known type (a label desert).
     segregated_support
         A batch whose unlabelled cells are supported less often than this was not labelled at random.
+    widen_label_neighbourhood
+        Where labels are sparse in a batch, the label tests read as many neighbours as a test at ``desert_alpha`` needs (``(1 - f)^k < desert_alpha``; 90 at 5% labelled) instead of ``n_neighbors``.
     query_resolution
         Leiden resolution of a batch without labelled cells (a separate query).
     query_vote
@@ -81,6 +83,8 @@ class DiscoveryConfig:
         A cluster with a smaller share of core cells is not anchored.
     anchor_significant
         Also anchor the cells of a candidate of a batch without labelled cells whose conformal novelty p-value is significant at false discovery rate ``novelty_alpha`` (Benjamini-Hochberg over the query cells; needs the p-values of ``query_vote`` ``"contrast"`` or ``"either"``): a small query's candidates have no core, and training hands their novel cells to known heads.
+    anchor_supported
+        Also anchor, in the anchor epochs, each unlabelled cell the labels around it support (``support_fraction``) to the seen head that claims it after the warm-up: the labels say it is of a known type.
     min_novel_cells
         A novel head that wins fewer unlabelled cells than this is no cluster: its cells take their next most probable head (1: every head with a cell is kept).
     merge_threshold
@@ -120,6 +124,7 @@ class DiscoveryConfig:
     support_min: int = 2
     desert_alpha: float = 0.01
     segregated_support: float = 0.1
+    widen_label_neighbourhood: bool = True
     query_resolution: float = 1.0
     query_vote: str = "contrast"
     query_min_fraction: float = 0.5
@@ -127,6 +132,7 @@ class DiscoveryConfig:
     core_min_agree: float = 0.5
     core_min_fraction: float = 2 / 3
     anchor_significant: bool = True
+    anchor_supported: bool = True
     min_novel_cells: int = 5
     merge_threshold: float | None = 0.8
     no_warmup_rel_threshold: float = 0.1
@@ -178,7 +184,12 @@ class DiscoveryConfig:
         folds = self.novelty_folds
         if not _is_int(folds) or folds < 0 or folds == 1:
             _invalid("novelty_folds", folds, "0 (no p-values) or an integer >= 2")
-        for name in ("self_check", "anchor_significant"):
+        for name in (
+            "self_check",
+            "anchor_significant",
+            "widen_label_neighbourhood",
+            "anchor_supported",
+        ):
             if not isinstance(getattr(self, name), bool):
                 _invalid(name, getattr(self, name), "True or False")
         if self.cross_fit_threshold is None:  # no cross-fitted threshold: the in-sample one

@@ -427,6 +427,29 @@ def test_label_deserts_are_novel_cells_and_become_candidates(small_sim, monkeypa
     assert "few labelled neighbours" in a.uns["orca"]["estimate"]["method"]
 
 
+def test_sparse_labels_keep_known_cells_known():
+    """The development suite's protocol with 5% of the seen cells labelled (8 seen types, 4
+    novel, imbalance 5): at 15 neighbours a known-type cell has no labelled neighbour half the
+    time, so the label tests say nothing and whole known types became novel clusters. With the
+    tests reading as many neighbours as their level needs and the supported cells held on their
+    seen heads, the known cells stay known and the four novel types are the clusters (measured
+    with this schedule, seed 0: known->novel 0.041 and 4 clusters, 0.192 and 7 without).
+    """
+    from orca_sc.benchmark import dev_suite
+    from orca_sc.benchmark._methods import annotate_task
+
+    task = dev_suite(None, only=["sim_protocol_lab0.05"])[0].make(0)
+    fast = {k: v for k, v in FAST.items() if k != "progress"}
+    novel = np.isin(task.truth, task.novel)
+    out = {}
+    for rule in (True, False):
+        a, q = annotate_task(task, 0, widen_label_neighbourhood=rule, anchor_supported=rule, **fast)
+        called = a[q].obs["orca_novel"].notna().to_numpy()
+        out[rule] = (called[~novel].mean(), called[novel].mean(), a.uns["orca"]["n_novel"]["found"])
+    assert out[True][0] < 0.1 and out[False][0] > 0.15 and out[True][0] < out[False][0] / 3
+    assert out[True][1] > 0.95 and out[True][2] == len(task.novel) < out[False][2]
+
+
 def test_reference_and_query_in_one_batch_warns_and_takes_no_deserts():
     """A reference and a query concatenated without batch_key: the query's cells have no
     labelled neighbours, as if all were novel. The labelling is recognised as not random, the

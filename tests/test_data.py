@@ -365,7 +365,8 @@ def test_label_deserts_are_the_cells_of_the_type_nobody_labelled():
     emb, truth, labels, _, same_batch = _hidden_fixture()
     domain = np.where(same_batch, 0, 1)
     lab = labels >= 0
-    frac, tested = labelled_neighbours(lab, domain, lambda idx: emb[idx])
+    frac, tested, size = labelled_neighbours(lab, domain, lambda idx: emb[idx])
+    assert (size == 15).all()  # no alpha: the n_neighbors of every graph here
     desert = label_deserts(lab, domain, frac, tested)
     assert desert[truth == "H"].mean() > 0.9
     # a binomial test at level 0.01: about 1% of the known unlabelled cells, by chance
@@ -375,6 +376,44 @@ def test_label_deserts_are_the_cells_of_the_type_nobody_labelled():
     # stricter level: fewer or equal deserts, never more
     strict = label_deserts(lab, domain, frac, tested, alpha=1e-6)
     assert not (strict & ~desert).any() and strict.sum() < desert.sum()
+
+
+def test_sparse_labels_widen_the_neighbourhood_the_label_tests_read():
+    """With a fifth of A and B labelled (10% of the batch), a known cell has no labelled
+    neighbour among 15 a fifth of the time: at 15 neighbours no desert can reach the level
+    (0.9^15 > 0.01) and half the known cells lack support. With ``alpha`` the tests read as
+    many neighbours as a test at that level needs, so H is a desert and the known cells are
+    supported; with half of A and B labelled nothing changes.
+    """
+    from orca_sc._discover import label_deserts, labelled_neighbours, labelled_support
+    from orca_sc._discover.labels import neighbourhood_size
+
+    assert neighbourhood_size(0.5, 0.01, 15, 1000) == 15
+    assert neighbourhood_size(0.05, 0.01, 15, 1000) == 90  # 0.95^90 < 0.01 <= 0.95^89
+    assert neighbourhood_size(0.05, 0.01, 15, 40) == 39
+    assert neighbourhood_size(1.0, 0.01, 15, 99) == 15
+    emb, truth, labels, _, same_batch = _hidden_fixture()
+    domain = np.where(same_batch, 0, 1)
+    rng = np.random.default_rng(1)
+    sparse = (labels >= 0) & (rng.random(labels.size) < 0.2)
+    known = ~sparse & np.isin(truth, ["A", "B"]) & same_batch
+    fixed = labelled_neighbours(sparse, domain, lambda idx: emb[idx])
+    wide = labelled_neighbours(sparse, domain, lambda idx: emb[idx], alpha=0.01)
+    assert (fixed[2] == 15).all() and (wide[2][same_batch] >= 40).all()
+    assert (wide[2][~same_batch] == 15).all()  # the batch without labels is not tested
+    res = {}
+    for name, (frac, tested, size) in (("fixed", fixed), ("wide", wide)):
+        res[name] = (label_deserts(sparse, domain, frac, tested, n_neighbors=size),
+                     labelled_support(sparse, domain, frac, tested, n_neighbors=size))  # fmt: skip
+    desert, sup = res["fixed"]
+    assert not desert.any() and sup[known].mean() < 0.6
+    desert, sup = res["wide"]
+    assert desert[truth == "H"].mean() > 0.9 and desert[known].mean() < 0.03
+    assert sup[known].mean() > 0.9 and sup[truth == "H"].mean() < 0.05
+    half = labelled_neighbours(labels >= 0, domain, lambda idx: emb[idx], alpha=0.01)
+    np.testing.assert_array_equal(half[0], fixed_half := labelled_neighbours(
+        labels >= 0, domain, lambda idx: emb[idx])[0])  # fmt: skip
+    assert (half[2] == 15).all() and fixed_half.size == labels.size
 
 
 def test_calibrate_resolution_follows_the_granularity_of_the_labels():
@@ -424,7 +463,7 @@ def test_labelled_support_keeps_poorly_scored_known_cells_out_of_novel_candidate
 
     emb, truth, labels, _, same_batch = _hidden_fixture()
     domain = np.where(same_batch, 0, 1)
-    frac, tested = labelled_neighbours(labels >= 0, domain, lambda idx: emb[idx])
+    frac, tested, _ = labelled_neighbours(labels >= 0, domain, lambda idx: emb[idx])
     assert tested.tolist() == same_batch.tolist()
     # around labelled cells about half the neighbours are labelled (A, B labelled at random)
     assert 0.4 < frac[labels >= 0].mean() < 0.6

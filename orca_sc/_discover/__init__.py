@@ -197,10 +197,15 @@ def discover(
     if significant is not None:
         tau_info = {**tau_info, "n_anchored_significant": heads.n_significant}
     n_seen = seen_similarity.shape[1]
+    anchor_cells, anchor_heads = np.flatnonzero(heads.core), n_seen + assign[heads.core]
+    if cfg.anchor_supported and ev.anchored.any():
+        # cells the labels around them say are known stay on the seen head that claims them
+        sup = np.flatnonzero(ev.anchored & ~heads.core)
+        anchor_cells = np.concatenate([anchor_cells, sup])
+        anchor_heads = np.concatenate([anchor_heads, predicted[sup]])
     return Discovery(
         assign=assign, sizes=tuple(sizes), n_novel=len(sizes), prototypes=heads.prototypes,
-        prior=heads.prior, anchor_cells=np.flatnonzero(heads.core),
-        anchor_heads=n_seen + assign[heads.core], threshold=tau,
+        prior=heads.prior, anchor_cells=anchor_cells, anchor_heads=anchor_heads, threshold=tau,
         diagnostics=_diagnostics(sizes, ev, domain_names, (resolution, scores), heads, groups,
                                  bool(query.any()), tau_info, calib,
                                  cfg if pvalues is not None else replace(cfg, query_vote="share")),

@@ -6,6 +6,7 @@ unlabelled cells are two populations say nothing (:func:`segregated_batches`).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,27 +19,61 @@ from .compute import kneighbors
 _DEFAULTS = DiscoveryConfig()
 
 
+#: at most this many times the label tests' neighbourhood is widened (the labelled fraction
+#: around labelled cells, measured at the wider neighbourhood, can ask for more)
+_WIDEN_ROUNDS = 5
+
+
+def neighbourhood_size(expected: float, alpha: float, n_neighbors: int, n_cells: int) -> int:
+    """How many nearest neighbours the label tests of a batch read: the smallest number ``k`` at
+    which a known-type cell without one labelled neighbour is improbable at ``alpha``
+    (``(1 - f)^k < alpha`` for the batch's labelled fraction ``f`` around a known-type cell,
+    ``expected``), at least ``n_neighbors`` and at most ``n_cells - 1``. At ``f`` = 0.4 and
+    ``alpha`` = 0.01 that is 10, so ``n_neighbors`` (15) stands; at ``f`` = 0.05 it is 90: with 15
+    neighbours a known-type cell has no labelled one with probability 0.46, so neither the label
+    deserts nor the labelled support could tell it from a type nobody labelled.
+    """
+    if not 0 < expected < 1:
+        return int(n_neighbors)
+    k = math.floor(math.log(alpha) / math.log1p(-expected)) + 1
+    return int(min(max(n_neighbors, k), n_cells - 1))
+
+
 def labelled_neighbours(
     labeled: np.ndarray,
     domain: np.ndarray,
     pca_of: Callable[[np.ndarray], np.ndarray],
     *,
     n_neighbors: int = _DEFAULTS.n_neighbors,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Labelled fraction of every cell's ``n_neighbors`` nearest neighbours (itself excluded),
-    found within each batch that has labelled cells, in the PCA of that batch's cells
-    (``pca_of(idx)``). Returns ``(fraction, tested)``; cells of batches without labels are not
-    tested (fraction 0).
+    alpha: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Labelled fraction of every cell's nearest neighbours (itself excluded), found within
+    each batch that has labelled cells, in the PCA of that batch's cells (``pca_of(idx)``).
+    ``n_neighbors`` of them; with ``alpha``, as many as :func:`neighbourhood_size` says for the
+    batch's labelled fraction around its labelled cells (more where labels are sparse). Returns
+    ``(fraction, tested, size)``: cells of batches without labels are not tested (fraction 0),
+    ``size`` is the number of neighbours each tested cell's fraction reads.
     """
     frac = np.zeros(labeled.shape[0])
     tested = np.zeros(labeled.shape[0], dtype=bool)
+    size = np.full(labeled.shape[0], n_neighbors, dtype=np.int64)
     for d in np.unique(domain[labeled]):  # loop over batches, not cells
         idx = np.flatnonzero(domain == d)
         if idx.size <= n_neighbors:
             continue
-        frac[idx] = labeled[idx][kneighbors(pca_of(idx), n_neighbors)].mean(axis=1)
+        emb = pca_of(idx)
+        lab = labeled[idx]
+        frac[idx] = lab[kneighbors(emb, n_neighbors)].mean(axis=1)
+        k = n_neighbors
+        for _ in range(_WIDEN_ROUNDS if alpha is not None else 0):  # f is measured at k: again
+            wider = neighbourhood_size(float(frac[idx][lab].mean()), alpha, n_neighbors, idx.size)
+            if wider <= k:
+                break
+            k = wider
+            frac[idx] = lab[kneighbors(emb, k)].mean(axis=1)
+        size[idx] = k
         tested[idx] = True
-    return frac, tested
+    return frac, tested, size
 
 
 def labelled_support(
@@ -47,7 +82,7 @@ def labelled_support(
     frac: np.ndarray,
     tested: np.ndarray,
     *,
-    n_neighbors: int = _DEFAULTS.n_neighbors,
+    n_neighbors: int | np.ndarray = _DEFAULTS.n_neighbors,
     min_fraction: float = _DEFAULTS.support_fraction,
     min_count: int = _DEFAULTS.support_min,
 ) -> np.ndarray:
@@ -65,9 +100,17 @@ def labelled_support(
     """
     supported = np.zeros(labeled.shape[0], dtype=bool)
     for idx, expected in _tested_batches(labeled, domain, frac, tested):
-        floor = max(min_count / n_neighbors, min_fraction * expected)
+        k = _size(n_neighbors, idx)
+        floor = max(min_count / k, min_fraction * expected)
         supported[idx] = ~labeled[idx] & (frac[idx] >= floor)
     return supported
+
+
+def _size(n_neighbors: int | np.ndarray, idx: np.ndarray) -> int:
+    """The neighbourhood size of the batch of cells ``idx``: ``n_neighbors``, or its value
+    there where it is the per-cell ``size`` of :func:`labelled_neighbours`.
+    """
+    return int(n_neighbors) if np.ndim(n_neighbors) == 0 else int(n_neighbors[idx[0]])
 
 
 def _tested_batches(labeled, domain, frac, tested):
@@ -86,7 +129,7 @@ def label_deserts(
     frac: np.ndarray,
     tested: np.ndarray,
     *,
-    n_neighbors: int = _DEFAULTS.n_neighbors,
+    n_neighbors: int | np.ndarray = _DEFAULTS.n_neighbors,
     alpha: float = _DEFAULTS.desert_alpha,
 ) -> np.ndarray:
     """Unlabelled cells whose neighbourhood lacks labels: improbably few labelled neighbours.
@@ -103,8 +146,9 @@ def label_deserts(
 
     desert = np.zeros(labeled.shape[0], dtype=bool)
     for idx, expected in _tested_batches(labeled, domain, frac, tested):
-        count = np.rint(frac[idx] * n_neighbors)
-        desert[idx] = ~labeled[idx] & (binom.cdf(count, n_neighbors, expected) < alpha)
+        k = _size(n_neighbors, idx)
+        count = np.rint(frac[idx] * k)
+        desert[idx] = ~labeled[idx] & (binom.cdf(count, k, expected) < alpha)
     return desert
 
 
@@ -150,21 +194,25 @@ class _LabelEvidence:
     supported: np.ndarray
     desert: np.ndarray
     segregated: list[int]
+    #: supported as fully as a labelled cell's neighbourhood is labelled: held on a seen head
+    anchored: np.ndarray
 
 
 def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryConfig, domain_names) -> _LabelEvidence:
     # unlabelled cells among labelled ones (same batch) are of known types, however poorly the
     # seen heads score them
-    nb_frac, tested = labelled_neighbours(lab, domain, pca_cells, n_neighbors=cfg.n_neighbors)
+    # (as many neighbours as a test at desert_alpha needs where labels are sparse)
+    nb_frac, tested, size = labelled_neighbours(
+        lab, domain, pca_cells, n_neighbors=cfg.n_neighbors,
+        alpha=cfg.desert_alpha if cfg.widen_label_neighbourhood else None,
+    )  # fmt: skip
     supported = labelled_support(
-        lab, domain, nb_frac, tested, n_neighbors=cfg.n_neighbors,
+        lab, domain, nb_frac, tested, n_neighbors=size,
         min_fraction=cfg.support_fraction, min_count=cfg.support_min,
     )  # fmt: skip
     # unlabelled cells among unlabelled ones, in batches labelled at random: a type nobody
     # labelled, even where a seen head scores it confidently
-    desert = label_deserts(
-        lab, domain, nb_frac, tested, n_neighbors=cfg.n_neighbors, alpha=cfg.desert_alpha
-    )
+    desert = label_deserts(lab, domain, nb_frac, tested, n_neighbors=size, alpha=cfg.desert_alpha)
     # ... but only where labels were given among the batch's cells at random: where almost no
     # unlabelled cell has labelled neighbours, labelled and unlabelled cells are two populations
     # (e.g. a reference and a query concatenated without batch_key) and a lack of labels says
@@ -183,4 +231,12 @@ def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryConfig, domain_names) 
             "treated as a query; as it is, known types may be reported as novel clusters.",
             stacklevel=4,
         )
-    return _LabelEvidence(supported, desert, segregated)
+    # held on the seen head that claims it: as labelled around as a known-type cell typically
+    # is (support_fraction 1), outside the batches whose labels say nothing
+    anchored = labelled_support(
+        lab, domain, nb_frac, tested, n_neighbors=size, min_fraction=1.0,
+        min_count=cfg.support_min,
+    )  # fmt: skip
+    for d in segregated:
+        anchored[domain == d] = False
+    return _LabelEvidence(supported, desert, segregated, anchored)
