@@ -392,6 +392,7 @@ def test_sparse_labels_widen_the_neighbourhood_the_label_tests_read():
     assert neighbourhood_size(0.05, 0.01, 15, 1000) == 90  # 0.95^90 < 0.01 <= 0.95^89
     assert neighbourhood_size(0.05, 0.01, 15, 40) == 39
     assert neighbourhood_size(1.0, 0.01, 15, 99) == 15
+    assert neighbourhood_size(0.05, 0.0, 15, 1000) == 15  # desert_alpha 0: no test to power
     emb, truth, labels, _, same_batch = _hidden_fixture()
     domain = np.where(same_batch, 0, 1)
     rng = np.random.default_rng(1)

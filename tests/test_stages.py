@@ -57,7 +57,16 @@ def test_discover_on_arrays_returns_the_documented_fields():
     assert found.prototypes.shape == (2, x.shape[1])
     np.testing.assert_allclose(np.linalg.norm(found.prototypes, axis=1), 1, rtol=1e-6)
     assert found.prior.shape == (5,) and np.isclose(found.prior.sum(), 1)
-    assert (found.anchor_heads >= 3).all() and found.anchor_cells.size == found.anchor_heads.size
+    assert found.anchor_cells.size == found.anchor_heads.size
+    # a novel head for the candidates' core cells, the seen head of its own blob for unlabelled
+    # known cells as labelled around as labelled cells are (anchor_supported)
+    on_novel = found.anchor_heads >= 3
+    assert (found.assign[found.anchor_cells[on_novel]] >= 0).all()
+    held = found.anchor_cells[~on_novel]
+    assert held.size > 0 and (labels[held] == -1).all() and (truth[held] < 3).all()
+    np.testing.assert_array_equal(found.anchor_heads[~on_novel], truth[held])
+    off = _discover_blobs(x, labels, cfg=DiscoveryConfig(anchor_supported=False))
+    assert (off.anchor_heads >= 3).all()
     assert found.diagnostics["n_novel"] == 2 and "resolution" in found.diagnostics
     # n_novel given above the estimate: extra heads start at random directions
     more = _discover_blobs(x, labels, n_novel=4)

@@ -33,7 +33,7 @@ def neighbourhood_size(expected: float, alpha: float, n_neighbors: int, n_cells:
     neighbours a known-type cell has no labelled one with probability 0.46, so neither the label
     deserts nor the labelled support could tell it from a type nobody labelled.
     """
-    if not 0 < expected < 1:
+    if not (0 < expected < 1 and 0 < alpha < 1):  # nothing to widen for (alpha 0: no test)
         return int(n_neighbors)
     k = math.floor(math.log(alpha) / math.log1p(-expected)) + 1
     return int(min(max(n_neighbors, k), n_cells - 1))
