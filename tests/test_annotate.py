@@ -446,6 +446,10 @@ def test_sparse_labels_keep_known_cells_known():
         a, q = annotate_task(task, 0, widen_label_neighbourhood=rule, anchor_supported=rule, **fast)
         called = a[q].obs["orca_novel"].notna().to_numpy()
         out[rule] = (called[~novel].mean(), called[novel].mean(), a.uns["orca"]["n_novel"]["found"])
+        est = a.uns["orca"]["estimate"]
+        (k,) = est["label_neighbours"].values()  # one batch: labelled and unlabelled cells
+        assert k >= 80 if rule else k == 15  # 5% labelled: (1 - 0.05)^k < 0.01 from k = 90
+        assert (est["n_held_on_seen_heads"] > 0) == rule
     assert out[True][0] < 0.1 and out[False][0] > 0.15 and out[True][0] < out[False][0] / 3
     assert out[True][1] > 0.95 and out[True][2] == len(task.novel) < out[False][2]
 

@@ -196,6 +196,8 @@ class _LabelEvidence:
     segregated: list[int]
     #: supported as fully as a labelled cell's neighbourhood is labelled: held on a seen head
     anchored: np.ndarray
+    #: the neighbours the tests read in each batch with labelled cells
+    neighbours: dict[int, int]
 
 
 def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryConfig, domain_names) -> _LabelEvidence:
@@ -239,4 +241,5 @@ def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryConfig, domain_names) 
     )  # fmt: skip
     for d in segregated:
         anchored[domain == d] = False
-    return _LabelEvidence(supported, desert, segregated, anchored)
+    neighbours = {int(d): int(size[tested & (domain == d)][0]) for d in np.unique(domain[tested])}
+    return _LabelEvidence(supported, desert, segregated, anchored, neighbours)
