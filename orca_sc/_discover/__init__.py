@@ -198,11 +198,12 @@ def discover(
         tau_info = {**tau_info, "n_anchored_significant": heads.n_significant}
     n_seen = seen_similarity.shape[1]
     anchor_cells, anchor_heads = np.flatnonzero(heads.core), n_seen + assign[heads.core]
-    if cfg.anchor_supported and ev.anchored.any():
-        # cells the labels around them say are known stay on the seen head that claims them
-        sup = np.flatnonzero(ev.anchored & ~heads.core)
-        anchor_cells = np.concatenate([anchor_cells, sup])
-        anchor_heads = np.concatenate([anchor_heads, predicted[sup]])
+    # cells the labels around them say are known stay on the seen head that claims them
+    held = np.flatnonzero(ev.anchored & ~heads.core & cfg.anchor_supported)
+    tau_info = {**tau_info, "n_held_on_seen_heads": int(held.size)}
+    if held.size:
+        anchor_cells = np.concatenate([anchor_cells, held])
+        anchor_heads = np.concatenate([anchor_heads, predicted[held]])
     return Discovery(
         assign=assign, sizes=tuple(sizes), n_novel=len(sizes), prototypes=heads.prototypes,
         prior=heads.prior, anchor_cells=anchor_cells, anchor_heads=anchor_heads, threshold=tau,

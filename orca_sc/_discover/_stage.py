@@ -147,9 +147,6 @@ def _diagnostics(sizes, ev, domain_names, resolution_scores, heads, groups,
         "label_neighbours": {
             (domain_names[d] if domain_names else str(d)): k for d, k in ev.neighbours.items()
         },  # fmt: skip
-        "n_held_on_seen_heads": int((ev.anchored & ~heads.core).sum())
-        if cfg.anchor_supported
-        else 0,
         "segregated_batches": [domain_names[d] if domain_names else str(d) for d in ev.segregated],
         "resolution": resolution,
         "resolution_ari": dict(zip(map(str, cfg.resolution_grid), scores, strict=False)),

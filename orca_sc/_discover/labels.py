@@ -222,8 +222,15 @@ def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryConfig, domain_names) 
     segregated = segregated_batches(
         lab, domain, supported, tested, min_supported=cfg.segregated_support
     )
+    # held on the seen head that claims it: as labelled around as a known-type cell typically
+    # is (support_fraction 1), outside the batches whose labels say nothing
+    anchored = labelled_support(
+        lab, domain, nb_frac, tested, n_neighbors=size, min_fraction=1.0,
+        min_count=cfg.support_min,
+    )  # fmt: skip
     for d in segregated:
         desert[domain == d] = False
+        anchored[domain == d] = False
         where = f" of batch {domain_names[d]!r}" if domain_names and len(domain_names) > 1 else ""
         warnings.warn(
             f"The labelled and unlabelled cells{where} barely share neighbourhoods (under "
@@ -233,13 +240,5 @@ def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryConfig, domain_names) 
             "treated as a query; as it is, known types may be reported as novel clusters.",
             stacklevel=4,
         )
-    # held on the seen head that claims it: as labelled around as a known-type cell typically
-    # is (support_fraction 1), outside the batches whose labels say nothing
-    anchored = labelled_support(
-        lab, domain, nb_frac, tested, n_neighbors=size, min_fraction=1.0,
-        min_count=cfg.support_min,
-    )  # fmt: skip
-    for d in segregated:
-        anchored[domain == d] = False
     neighbours = {int(d): int(size[tested & (domain == d)][0]) for d in np.unique(domain[tested])}
     return _LabelEvidence(supported, desert, segregated, anchored, neighbours)
