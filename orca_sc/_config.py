@@ -77,6 +77,8 @@ class DiscoveryConfig:
         A query cluster is a candidate when this share of its cells is out-of-distribution ...
     query_min_enrichment
         ... or this many times the batch's share.
+    share_vote_test
+        Where the cluster has conformal p-values (``query_vote`` ``"contrast"`` or ``"either"``, at least ``1 / novelty_alpha`` cells with one), the share vote's cluster must also score below the labelled cells as a whole: its cells' mean p-value below 1/2 by a one-sided z-test at level ``novelty_alpha`` (a known-type cluster whose cells are exchangeable with its type's labelled cells is then taken with probability at most ``novelty_alpha``, however many of its cells fall in the tail below the threshold).
     core_min_agree
         A candidate cell is at its cluster's core when this share of its neighbours is in the cluster.
     core_min_fraction
@@ -129,6 +131,7 @@ class DiscoveryConfig:
     query_vote: str = "contrast"
     query_min_fraction: float = 0.5
     query_min_enrichment: float = 2.5
+    share_vote_test: bool = True
     core_min_agree: float = 0.5
     core_min_fraction: float = 2 / 3
     anchor_significant: bool = True
@@ -189,6 +192,7 @@ class DiscoveryConfig:
             "anchor_significant",
             "widen_label_neighbourhood",
             "anchor_supported",
+            "share_vote_test",
         ):
             if not isinstance(getattr(self, name), bool):
                 _invalid(name, getattr(self, name), "True or False")

@@ -623,3 +623,27 @@ def assert_uns_equal(got, want, path="uns"):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=path)
     else:
         assert got == want or (np.isnan(got) and np.isnan(want)), path
+
+
+def test_a_condition_shift_alone_makes_no_novel_cluster():
+    """The development suite's condition shift without a hidden type: three seen types carry a
+    200-gene program in the query that the reference lacks. Their cosines spread, so the tail
+    below the threshold holds enough of their cells for the share vote, while their cells as
+    a whole score like the labelled cells. The share vote's test keeps them known (measured
+    with this schedule, seed 0: no query cell called novel, no cluster); without it 7.9% of the
+    query cells are called novel, in one cluster.
+    """
+    from orca_sc.benchmark import dev_suite
+    from orca_sc.benchmark._methods import annotate_task
+
+    task = dev_suite(None, only=["sim_condition3_g200_novel0"])[0].make(0)
+    assert task.novel == []
+    fast = {k: v for k, v in FAST.items() if k != "progress"}
+    out = {}
+    for rule in (True, False):
+        a, q = annotate_task(task, 0, share_vote_test=rule, **fast)
+        out[rule] = (a[q].obs["orca_novel"].notna().mean(), a.uns["orca"]["n_novel"]["found"])
+        votes = a.uns["orca"]["estimate"]["query_votes"]
+        tested = np.isfinite(votes["share_test_p"])
+        assert tested.any() == rule and (np.asarray(votes["share"])[tested]).all()
+    assert out[True] == (0.0, 0) and out[False][0] > 0.05 and out[False][1] > 0

@@ -657,3 +657,15 @@ def test_suite_runs_are_pinned_to_the_thread_count_it_started_with(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_runs_count_the_clusters_each_vote_added_or_dropped():
+    """``query_vote_extra`` counts the query clusters taken beyond the share vote,
+    ``share_vote_dropped`` those the share vote took that its test left out; a run without a
+    query batch has neither.
+    """
+    from orca_sc.benchmark._devsuite import _share_dropped, _vote_extra
+
+    votes = {"share": [True, True, False, False], "candidate": [True, False, True, False]}
+    assert _vote_extra(votes) == 1 and _share_dropped(votes) == 1
+    assert _vote_extra(None) == 0 and _share_dropped(None) == 0

@@ -843,3 +843,35 @@ def test_query_votes_take_a_cluster_either_vote_takes():
     # the share vote alone misses N (20% flagged, below 2.5 times the batch's 15%)
     share = query_ood_clusters(*args, resolution=0.2)
     assert [pd.Series(truth[g]).mode()[0] for g in share] == ["S"]
+
+
+def test_share_vote_needs_the_cells_to_score_low_as_a_whole():
+    """A known type whose cosines the query spreads (as a condition program does) fills the tail
+    below the threshold: 40% of its cells are flagged, enough for the share vote, while its
+    cells as a whole score like the labelled cells (mean p about 1/2). With the share vote's
+    test it is no candidate; a novel cluster (flagged, low p-values) and a flagged cluster
+    without p-values (nothing to test) still are. Each share vote's test is recorded.
+    """
+    from orca_sc._discover import query_ood_clusters
+
+    rng = np.random.default_rng(1)
+    n = {"N": 80, "K": 1000, "W": 120, "S": 60}
+    centers = {t: 10.0 * np.eye(4)[i] for i, t in enumerate(n)}
+    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 4)) for t in n])
+    truth = np.repeat(list(n), list(n.values()))
+    p = rng.uniform(0, 1, truth.size)
+    p[truth == "N"] = rng.uniform(0, 0.05, n["N"])
+    wide = rng.random(truth.size) < 0.4  # W: a widened spread, 40% of the cells in the tail
+    w = truth == "W"
+    p[w] = np.where(wide[w], rng.uniform(0, 0.05, w.sum()), rng.uniform(0.7, 1, w.sum()))
+    p[truth == "S"] = np.nan
+    ood = (p <= 0.05) | ((truth == "S") & (rng.random(truth.size) < 0.7))
+    args = (ood, np.arange(truth.size), np.zeros(truth.size, int), lambda idx: emb[idx])
+    mode = lambda groups: sorted(pd.Series(truth[g]).mode()[0] for g in groups)  # noqa: E731
+    kw = {"resolution": 0.2, "pvalues": p, "min_fraction": 0.5, "min_enrichment": 2.0}
+    assert mode(query_ood_clusters(*args, **kw)) == ["N", "S", "W"]
+    votes: list[dict] = []
+    assert mode(query_ood_clusters(*args, **kw, share_level=0.05, votes=votes)) == ["N", "S"]
+    tested = {v["cells"]: v["share_test_p"] for v in votes}
+    assert tested[n["W"]] > 0.05 and tested[n["N"]] < 1e-6 and tested[n["S"]] is None
+    assert tested[n["K"]] is None  # the share vote did not take K: nothing to test

@@ -174,7 +174,10 @@ def discover(
         tau_info = {**tau_info, "query_votes": {
             "batch": [names[v["batch"]] for v in votes], "cells": [v["cells"] for v in votes],
             "mean_p": [np.nan if v["mean_p"] is None else v["mean_p"] for v in votes],
-            "share": [v["share"] for v in votes], "candidate": [v["candidate"] for v in votes],
+            "share": [v["share"] for v in votes],
+            "share_test_p": [np.nan if v["share_test_p"] is None else v["share_test_p"]
+                             for v in votes],
+            "candidate": [v["candidate"] for v in votes],
         }}  # fmt: skip
         if claimed is not None:
             tau_info["query_votes"]["contrast_auc"] = [

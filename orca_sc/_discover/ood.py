@@ -275,15 +275,23 @@ def query_pvalues(
     return p
 
 
+def mean_p_below_half(p: np.ndarray) -> float:
+    """One-sided z-test that the conformal p-values ``p`` (:func:`query_pvalues`) have a mean
+    below 1/2, their mean for cells exchangeable with the labelled cells (standard deviation of
+    a uniform p, 1/sqrt(12)). Returns the test's p-value.
+    """
+    z = (0.5 - float(p.mean())) * math.sqrt(12 * p.size)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
 def conformal_vote(p: np.ndarray, n_clusters: int) -> tuple[bool, float]:
     """Whether a cluster whose cells have the conformal p-values ``p`` (:func:`query_pvalues`)
-    scores below the labelled cells: mean p at most :data:`QUERY_MEAN_P` and below 1/2 by a
-    one-sided z-test (standard deviation of a uniform p, 1/sqrt(12)) at :data:`QUERY_LEVEL` /
-    ``n_clusters``. Returns the decision and the mean.
+    scores below the labelled cells: mean p at most :data:`QUERY_MEAN_P` and below 1/2 by
+    :func:`mean_p_below_half` at :data:`QUERY_LEVEL` / ``n_clusters``. Returns the decision
+    and the mean.
     """
     mean = float(p.mean())
-    z = (0.5 - mean) * math.sqrt(12 * p.size)
-    pval = 0.5 * math.erfc(z / math.sqrt(2))
+    pval = mean_p_below_half(p)
     return bool(mean <= QUERY_MEAN_P and pval <= QUERY_LEVEL / max(n_clusters, 1)), mean
 
 
@@ -435,6 +443,7 @@ def query_ood_clusters(
     votes: list[dict] | None = None,
     claimed: np.ndarray | None = None,
     bar: ContrastBar | None = None,
+    share_level: float | None = None,
 ) -> list[np.ndarray]:
     """Candidate novel clusters of batches without labelled cells, decided per cluster.
 
@@ -456,9 +465,14 @@ def query_ood_clusters(
     (:func:`contrast_vote`), and with ``bar`` sit further below them than any piece of a
     labelled type sits below the rest of its type (:class:`ContrastBar`, :func:`reference_gaps`):
     a known-type cluster exchangeable with the labelled pieces clears it with a chance of at
-    most ``1 / (pieces + 1)``. ``votes``: a list to which each cluster's size, mean p-value,
-    contrast probability and gap (``None``: not compared), the share vote's decision and the
-    decision are appended. Returns the index arrays of the candidates' cells.
+    most ``1 / (pieces + 1)``. With ``share_level``, a cluster the share vote takes that has
+    p-values (at least ``min_cells``) must also have their mean below 1/2
+    (:func:`mean_p_below_half`) at that level: the share vote counts the cells in the tail below
+    the threshold, which a known type whose cosines the batch spreads fills too, while its
+    cells as a whole score like the labelled cells. ``votes``: a list to which each cluster's
+    size, mean p-value, contrast probability and gap (``None``: not compared), the share vote's
+    decision, its test's p-value (``None``: not tested) and the decision are appended. Returns
+    the index arrays of the candidates' cells.
     """
     found: list[np.ndarray] = []
     for d in np.unique(domain[cells]):  # loop over batches, not cells
@@ -470,11 +484,12 @@ def query_ood_clusters(
         clusters = np.unique(codes)
         # the conformal vote of each cluster first: the contrast compares a flagged cluster
         # with its type's cells in the clusters this vote leaves
-        conformal = {}
+        conformal, below_half = {}, {}
         for c in clusters:
             pc = None if pvalues is None else pvalues[idx[codes == c]]
             if pc is not None and np.isfinite(pc).sum() >= min_cells:
                 conformal[c] = conformal_vote(pc[np.isfinite(pc)], clusters.size)
+                below_half[c] = mean_p_below_half(pc[np.isfinite(pc)])
         if claimed is not None and conformal:  # the contrast reads the finite p-values only
             fin = np.isfinite(pvalues[idx])
             p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
@@ -484,6 +499,7 @@ def query_ood_clusters(
             m = idx[codes == c]
             frac = ood[m].mean()
             share = bool(frac >= min_fraction or frac >= min_enrichment * overall)
+            share_p = below_half.get(c) if share and share_level is not None else None
             low, mean = conformal.get(c, (False, None))
             auc = gap = None
             if low and claimed is not None:
@@ -493,11 +509,11 @@ def query_ood_clusters(
                     t = _mode(claimed_fin[in_c])
                     rest = idx_fin[leaves & ~in_c & (claimed_fin == t)]
                     low, gap = bar.passes(m[claimed[m] == t], rest, t)
-            take = share or low
+            take = (share and (share_p is None or share_p <= share_level)) or low
             if votes is not None:
                 votes.append({"batch": int(d), "cells": int(m.size), "mean_p": mean,
                               "contrast_auc": auc, "gap": gap, "share": share,
-                              "candidate": take})  # fmt: skip
+                              "share_test_p": share_p, "candidate": take})  # fmt: skip
             if take:
                 found.append(m)
     return found
@@ -514,7 +530,7 @@ def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryConfig, seed:
         min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
         resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
         pvalues=pvalues, min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes,
-        claimed=claimed, bar=bar,
+        claimed=claimed, bar=bar, share_level=cfg.novelty_alpha if cfg.share_vote_test else None,
     )  # fmt: skip
 
 

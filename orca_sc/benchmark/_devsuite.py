@@ -104,6 +104,7 @@ def orca_row(spec: TaskSpec, task, seed: int, q, rows: slice, seconds: float) ->
         "threshold": uns["estimate"].get("threshold"),
         "pca_input": uns["estimate"].get("integration", {}).get("pca_input", ""),
         "query_vote_extra": _vote_extra(uns["estimate"].get("query_votes")),
+        "share_vote_dropped": _share_dropped(uns["estimate"].get("query_votes")),
         # query cells anchored for a significant p-value (anchor_significant): a run with none
         # is the run without the rule
         "anchored_significant": uns["estimate"].get("n_anchored_significant", 0),
@@ -146,6 +147,17 @@ def _vote_extra(votes: dict | None) -> int:
         return 0
     share = votes.get("share", votes["candidate"])
     return int(sum(bool(c) and not bool(s) for c, s in zip(votes["candidate"], share, strict=True)))
+
+
+def _share_dropped(votes: dict | None) -> int:
+    """Query clusters the share vote took that its test (``share_vote_test``) left out
+    (``estimate['query_votes']``): where this is 0 in every run of a task, the test left the
+    run's candidates, and so its labels, as they were without it.
+    """
+    if not votes:
+        return 0
+    return int(sum(bool(s) and not bool(c) for c, s in zip(votes["candidate"], votes["share"],
+                                                           strict=True)))  # fmt: skip
 
 
 def _per_cell_columns(q, rows, task) -> dict:
