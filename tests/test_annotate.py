@@ -646,4 +646,6 @@ def test_a_condition_shift_alone_makes_no_novel_cluster():
         votes = a.uns["orca"]["estimate"]["query_votes"]
         tested = np.isfinite(votes["share_test_p"])
         assert tested.any() == rule and (np.asarray(votes["share"])[tested]).all()
+        said = [n for n in a.uns["orca"]["estimate"]["notes"] if "score like its labelled" in n]
+        assert bool(said) == rule  # the user is told which clusters stayed known
     assert out[True] == (0.0, 0) and out[False][0] > 0.05 and out[False][1] > 0

@@ -69,6 +69,7 @@ from .ood import (
     query_pvalues,
     reference_gaps,
     shift_notes,
+    spread_notes,
     type_spread,
     type_thresholds,
 )
@@ -171,6 +172,7 @@ def discover(
                                bar)  # fmt: skip
     if query.any():
         names = domain_names or [str(d) for d in range(int(domain.max()) + 1)]
+        shift_said = shift_said + spread_notes(votes, names, cells.class_names, cfg.novelty_alpha)
         tau_info = {**tau_info, "query_votes": {
             "batch": [names[v["batch"]] for v in votes], "cells": [v["cells"] for v in votes],
             "mean_p": [np.nan if v["mean_p"] is None else v["mean_p"] for v in votes],
@@ -248,6 +250,7 @@ __all__ = [
     "self_check_report",
     "self_check_split",
     "shift_notes",
+    "spread_notes",
     "size_check",
     "subsample_rows",
     "type_thresholds",

@@ -190,6 +190,40 @@ def shift_notes(record: dict, batch_names: list[str], class_names: list[str] | N
     return notes
 
 
+def spread_notes(votes: list[dict], batch_names: list[str], class_names: list[str] | None,
+                 level: float) -> list[str]:  # fmt: skip
+    """Where the share vote's test (``share_vote_test``) left out clusters of a query batch
+    (``votes`` of :func:`query_ood_clusters`; test p-value above ``level``): many of their cells
+    sit below their type's threshold, but as a whole they score like its labelled cells, as a
+    known type that a condition or stimulation spreads does. They stay known; the user is told
+    which, so that a type the reference lacks and a known type absorbs can be checked.
+    """
+    notes = []
+    for d in sorted({v["batch"] for v in votes}):  # loop over query batches
+        left = [v for v in votes if v["batch"] == d and v["share"] and not v["candidate"]
+                and v["share_test_p"] is not None and v["share_test_p"] > level]  # fmt: skip
+        if not left:
+            continue
+        parts = [
+            f"{v['cells']} cells"
+            + (
+                ""
+                if v["type"] is None or class_names is None
+                else f" of '{class_names[v['type']]}'"
+            )
+            + f" ({v['flagged']:.0%} below the threshold, mean p {v['mean_p']:.2f})"
+            for v in left
+        ]
+        notes.append(
+            f"In query batch '{batch_names[d]}', {len(left)} cluster(s) had many cells below "
+            f"their type's threshold but score like its labelled cells as a whole: "
+            f"{'; '.join(parts)}. They stay known (a condition or stimulation that spreads a "
+            f"known type looks like this); if one is a type the reference lacks, check its "
+            f"markers (uns['orca']['estimate']['query_votes'], share_vote_test)."
+        )
+    return notes
+
+
 def ood_clusters(
     maxcos: np.ndarray,
     labeled: np.ndarray,
@@ -513,7 +547,9 @@ def query_ood_clusters(
             if votes is not None:
                 votes.append({"batch": int(d), "cells": int(m.size), "mean_p": mean,
                               "contrast_auc": auc, "gap": gap, "share": share,
-                              "share_test_p": share_p, "candidate": take})  # fmt: skip
+                              "share_test_p": share_p, "candidate": take,
+                              "flagged": float(frac),
+                              "type": None if claimed is None else _mode(claimed[m])})  # fmt: skip
             if take:
                 found.append(m)
     return found
