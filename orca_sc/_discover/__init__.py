@@ -172,7 +172,7 @@ def discover(
                                bar)  # fmt: skip
     if query.any():
         names = domain_names or [str(d) for d in range(int(domain.max()) + 1)]
-        shift_said = shift_said + spread_notes(votes, names, cells.class_names, cfg.novelty_alpha)
+        shift_said = shift_said + spread_notes(votes, names, cells.class_names)
         tau_info = {**tau_info, "query_votes": {
             "batch": [names[v["batch"]] for v in votes], "cells": [v["cells"] for v in votes],
             "mean_p": [np.nan if v["mean_p"] is None else v["mean_p"] for v in votes],

@@ -190,18 +190,18 @@ def shift_notes(record: dict, batch_names: list[str], class_names: list[str] | N
     return notes
 
 
-def spread_notes(votes: list[dict], batch_names: list[str], class_names: list[str] | None,
-                 level: float) -> list[str]:  # fmt: skip
+def spread_notes(votes: list[dict], batch_names: list[str],
+                 class_names: list[str] | None) -> list[str]:  # fmt: skip
     """Where the share vote's test (``share_vote_test``) left out clusters of a query batch
-    (``votes`` of :func:`query_ood_clusters`; test p-value above ``level``): many of their cells
-    sit below their type's threshold, but as a whole they score like its labelled cells, as a
-    known type that a condition or stimulation spreads does. They stay known; the user is told
+    (``votes`` of :func:`query_ood_clusters`: taken by the share vote, no candidate): many of
+    their cells sit below their type's threshold, but as a whole they score like its labelled
+    cells, as a known type that a condition or stimulation spreads does. They stay known; the user is told
     which, so that a type the reference lacks and a known type absorbs can be checked.
     """
     notes = []
     for d in sorted({v["batch"] for v in votes}):  # loop over query batches
-        left = [v for v in votes if v["batch"] == d and v["share"] and not v["candidate"]
-                and v["share_test_p"] is not None and v["share_test_p"] > level]  # fmt: skip
+        # a share-vote cluster is no candidate only where its test left it out
+        left = [v for v in votes if v["batch"] == d and v["share"] and not v["candidate"]]
         if not left:
             continue
         parts = [
@@ -522,8 +522,9 @@ def query_ood_clusters(
         for c in clusters:
             pc = None if pvalues is None else pvalues[idx[codes == c]]
             if pc is not None and np.isfinite(pc).sum() >= min_cells:
-                conformal[c] = conformal_vote(pc[np.isfinite(pc)], clusters.size)
-                below_half[c] = mean_p_below_half(pc[np.isfinite(pc)])
+                pc = pc[np.isfinite(pc)]
+                conformal[c] = conformal_vote(pc, clusters.size)
+                below_half[c] = mean_p_below_half(pc)
         if claimed is not None and conformal:  # the contrast reads the finite p-values only
             fin = np.isfinite(pvalues[idx])
             p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
