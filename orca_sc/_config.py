@@ -78,7 +78,7 @@ class DiscoveryConfig:
     query_min_enrichment
         ... or this many times the batch's share.
     share_vote_test
-        Where the cluster has conformal p-values (``query_vote`` ``"contrast"`` or ``"either"``, at least ``1 / novelty_alpha`` cells with one), the share vote's cluster must also score below the labelled cells as a whole: its cells' mean p-value below 1/2 by a one-sided z-test at level ``novelty_alpha`` (a known-type cluster whose cells are exchangeable with its type's labelled cells is then taken with probability at most ``novelty_alpha``, however many of its cells fall in the tail below the threshold).
+        Where the cluster has conformal p-values (``query_vote`` ``"contrast"`` or ``"either"``, at least 5 cells with one), the share vote's cluster must also score below the labelled cells as a whole: its cells' mean p-value below 1/2 by a one-sided test at level ``novelty_alpha`` (exact, Irwin-Hall, below 20 values; a z-test from 20) (a known-type cluster whose cells are exchangeable with its type's labelled cells is then taken with probability at most ``novelty_alpha``, however many of its cells fall in the tail below the threshold).
     core_min_agree
         A candidate cell is at its cluster's core when this share of its neighbours is in the cluster.
     core_min_fraction

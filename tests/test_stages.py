@@ -875,3 +875,61 @@ def test_share_vote_needs_the_cells_to_score_low_as_a_whole():
     tested = {v["cells"]: v["share_test_p"] for v in votes}
     assert tested[n["W"]] > 0.05 and tested[n["N"]] < 1e-6 and tested[n["S"]] is None
     assert tested[n["K"]] is None  # the share vote did not take K: nothing to test
+
+
+def test_mean_p_test_holds_its_level_and_reads_few_p_values():
+    """The test of a cluster's mean conformal p-value is exact below 20 values (Irwin-Hall): for
+    uniform p-values (cells exchangeable with the labelled cells) it rejects at 0.05 about 5% of
+    the time at every size, and its normal approximation from 20 values on agrees with it.
+    Conformal p-values (1 + k) / (m + 1) are super-uniform: the test rejects them less often.
+    """
+    from scipy.stats import irwinhall
+
+    from orca_sc._discover.ood import MEAN_TEST_NORMAL_FROM, mean_p_below_half
+
+    rng = np.random.default_rng(0)
+    for n in (2, 7, 19, 20, 40):
+        draws = rng.uniform(0, 1, (3000, n))
+        rate = np.mean([mean_p_below_half(p) <= 0.05 for p in draws])
+        assert abs(rate - 0.05) < 0.014, (n, rate)  # 3.5 binomial SE at 3,000 draws
+        conformal = (1 + rng.integers(0, 21, (3000, n))) / 21  # m = 20 held-out cosines
+        assert np.mean([mean_p_below_half(p) <= 0.05 for p in conformal]) <= rate + 0.014
+    p = rng.uniform(0, 0.6, MEAN_TEST_NORMAL_FROM)
+    assert abs(mean_p_below_half(p) - irwinhall(p.size).cdf(p.sum())) < 0.01
+    assert mean_p_below_half(np.full(5, 0.1)) < 0.001  # 5 novel cells' p-values: taken
+    assert mean_p_below_half(np.full(5, 0.5)) > 0.4
+
+
+def test_share_vote_test_reads_clusters_with_few_p_values():
+    """A flagged cluster whose type has few labelled cells holds few cells with a p-value (here
+    8 of 60). From :data:`SHARE_TEST_MIN_VALUES` on, the share vote's test reads them: a
+    known-type cluster whose 8 p-values average about 1/2 is left out, a novel cluster with 8 low
+    ones stays; a cluster with 3 is not tested (the test could not confirm a novel one).
+    """
+    from orca_sc._discover import query_ood_clusters
+    from orca_sc._discover.ood import SHARE_TEST_MIN_VALUES
+
+    assert SHARE_TEST_MIN_VALUES <= 8
+    rng = np.random.default_rng(2)
+    n = {"N": 60, "K": 1000, "W": 60, "F": 60}
+    centers = {t: 10.0 * np.eye(4)[i] for i, t in enumerate(n)}
+    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 4)) for t in n])
+    truth = np.repeat(list(n), list(n.values()))
+    p = rng.uniform(0, 1, truth.size)
+    for t, k, lo, hi in (("N", 8, 0.0, 0.1), ("W", 8, 0.3, 0.8), ("F", 3, 0.3, 0.8)):
+        rows = np.flatnonzero(truth == t)
+        p[rows] = np.nan
+        p[rows[:k]] = rng.uniform(lo, hi, k)
+    ood = np.where(np.isin(truth, ["N", "W", "F"]), rng.random(truth.size) < 0.8,
+                   rng.random(truth.size) < 0.02)  # fmt: skip
+    args = (ood, np.arange(truth.size), np.zeros(truth.size, int), lambda idx: emb[idx])
+    kw = {"resolution": 0.2, "pvalues": p, "min_fraction": 0.5, "min_enrichment": 2.0}
+    votes: list[dict] = []
+    found = query_ood_clusters(*args, **kw, share_level=0.05, votes=votes)
+    assert sorted(pd.Series(truth[g]).mode()[0] for g in found) == ["F", "N"]
+    assert [v["share"] for v in votes if v["cells"] == 60] == [True] * 3
+    assert [v["share"] for v in votes if v["cells"] == 1000] == [False]
+    tested = sorted(v["share_test_p"] for v in votes if v["share_test_p"] is not None)
+    assert len(tested) == 2 and tested[0] < 0.001 < 0.05 < tested[1]
+    # the mean p-value is recorded wherever the test could read one (the note names it)
+    assert [v["share"] for v in votes if v["mean_p"] is None] == [True]

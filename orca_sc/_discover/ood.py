@@ -6,6 +6,7 @@ the batch voted by their share of such cells (:func:`query_ood_clusters`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -309,11 +310,32 @@ def query_pvalues(
     return p
 
 
+#: the share vote's test reads a cluster with at least this many conformal p-values: with fewer
+#: the exact test cannot confirm a cluster of novel cells (at level 0.05 it needs a mean p below
+#: 0.16 from 2 values, below 0.29 from 5; the novel clusters' cells score 0.01-0.2)
+SHARE_TEST_MIN_VALUES = 5
+#: from this many p-values on, the test of their mean is the normal approximation
+MEAN_TEST_NORMAL_FROM = 20
+
+
+@functools.cache
+def _irwin_hall(n: int):
+    """The distribution of the sum of ``n`` independent uniforms on [0, 1]."""
+    from scipy.stats import irwinhall
+
+    return irwinhall(n)
+
+
 def mean_p_below_half(p: np.ndarray) -> float:
-    """One-sided z-test that the conformal p-values ``p`` (:func:`query_pvalues`) have a mean
-    below 1/2, their mean for cells exchangeable with the labelled cells (standard deviation of
-    a uniform p, 1/sqrt(12)). Returns the test's p-value.
+    """One-sided test that the conformal p-values ``p`` (:func:`query_pvalues`) have a mean
+    below 1/2, their mean for cells exchangeable with the labelled cells: under that null
+    their sum is at least as large as that of as many independent uniforms (the p-values are
+    super-uniform), whose distribution is the Irwin-Hall's. Exact below
+    :data:`MEAN_TEST_NORMAL_FROM` values (``scipy.stats.irwinhall``), its normal approximation
+    (a z-test, standard deviation of a uniform 1/sqrt(12)) from there. Returns the p-value.
     """
+    if p.size < MEAN_TEST_NORMAL_FROM:
+        return float(_irwin_hall(p.size).cdf(float(p.sum())))
     z = (0.5 - float(p.mean())) * math.sqrt(12 * p.size)
     return 0.5 * math.erfc(z / math.sqrt(2))
 
@@ -500,11 +522,12 @@ def query_ood_clusters(
     labelled type sits below the rest of its type (:class:`ContrastBar`, :func:`reference_gaps`):
     a known-type cluster exchangeable with the labelled pieces clears it with a chance of at
     most ``1 / (pieces + 1)``. With ``share_level``, a cluster the share vote takes that has
-    p-values (at least ``min_cells``) must also have their mean below 1/2
+    p-values (at least :data:`SHARE_TEST_MIN_VALUES`) must also have their mean below 1/2
     (:func:`mean_p_below_half`) at that level: the share vote counts the cells in the tail below
     the threshold, which a known type whose cosines the batch spreads fills too, while its
     cells as a whole score like the labelled cells. ``votes``: a list to which each cluster's
-    size, mean p-value, contrast probability and gap (``None``: not compared), the share vote's
+    size, mean p-value (``None``: under :data:`SHARE_TEST_MIN_VALUES` of them), contrast
+    probability and gap (``None``: not compared), the share vote's
     decision, its test's p-value (``None``: not tested) and the decision are appended. Returns
     the index arrays of the candidates' cells.
     """
@@ -518,13 +541,16 @@ def query_ood_clusters(
         clusters = np.unique(codes)
         # the conformal vote of each cluster first: the contrast compares a flagged cluster
         # with its type's cells in the clusters this vote leaves
-        conformal, below_half = {}, {}
+        conformal, below_half, means = {}, {}, {}
         for c in clusters:
             pc = None if pvalues is None else pvalues[idx[codes == c]]
-            if pc is not None and np.isfinite(pc).sum() >= min_cells:
-                pc = pc[np.isfinite(pc)]
+            if pc is None:
+                continue
+            pc = pc[np.isfinite(pc)]
+            if pc.size >= min_cells:
                 conformal[c] = conformal_vote(pc, clusters.size)
-                below_half[c] = mean_p_below_half(pc)
+            if pc.size >= min(min_cells, SHARE_TEST_MIN_VALUES):
+                below_half[c], means[c] = mean_p_below_half(pc), float(pc.mean())
         if claimed is not None and conformal:  # the contrast reads the finite p-values only
             fin = np.isfinite(pvalues[idx])
             p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
@@ -535,7 +561,7 @@ def query_ood_clusters(
             frac = ood[m].mean()
             share = bool(frac >= min_fraction or frac >= min_enrichment * overall)
             share_p = below_half.get(c) if share and share_level is not None else None
-            low, mean = conformal.get(c, (False, None))
+            low, mean = conformal.get(c, (False, means.get(c)))
             auc = gap = None
             if low and claimed is not None:
                 in_c = codes_fin == c
