@@ -845,6 +845,16 @@ def test_query_votes_take_a_cluster_either_vote_takes():
     assert [pd.Series(truth[g]).mode()[0] for g in share] == ["S"]
 
 
+def _four_clusters(n: dict[str, int], rng: np.random.Generator):
+    """Four well-separated clusters of a query batch (``n``: cells per cluster name): their
+    4-d embedding, each cell's cluster name and uniform p-values (those of known-type cells).
+    """
+    centers = {t: 10.0 * np.eye(4)[i] for i, t in enumerate(n)}
+    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 4)) for t in n])
+    truth = np.repeat(list(n), list(n.values()))
+    return emb, truth, rng.uniform(0, 1, truth.size)
+
+
 def test_share_vote_needs_the_cells_to_score_low_as_a_whole():
     """A known type whose cosines the query spreads (as a condition program does) fills the tail
     below the threshold: 40% of its cells are flagged, enough for the share vote, while its
@@ -856,10 +866,7 @@ def test_share_vote_needs_the_cells_to_score_low_as_a_whole():
 
     rng = np.random.default_rng(1)
     n = {"N": 80, "K": 1000, "W": 120, "S": 60}
-    centers = {t: 10.0 * np.eye(4)[i] for i, t in enumerate(n)}
-    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 4)) for t in n])
-    truth = np.repeat(list(n), list(n.values()))
-    p = rng.uniform(0, 1, truth.size)
+    emb, truth, p = _four_clusters(n, rng)
     p[truth == "N"] = rng.uniform(0, 0.05, n["N"])
     wide = rng.random(truth.size) < 0.4  # W: a widened spread, 40% of the cells in the tail
     w = truth == "W"
@@ -912,10 +919,7 @@ def test_share_vote_test_reads_clusters_with_few_p_values():
     assert SHARE_TEST_MIN_VALUES <= 8
     rng = np.random.default_rng(2)
     n = {"N": 60, "K": 1000, "W": 60, "F": 60}
-    centers = {t: 10.0 * np.eye(4)[i] for i, t in enumerate(n)}
-    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 4)) for t in n])
-    truth = np.repeat(list(n), list(n.values()))
-    p = rng.uniform(0, 1, truth.size)
+    emb, truth, p = _four_clusters(n, rng)
     for t, k, lo, hi in (("N", 8, 0.0, 0.1), ("W", 8, 0.3, 0.8), ("F", 3, 0.3, 0.8)):
         rows = np.flatnonzero(truth == t)
         p[rows] = np.nan
