@@ -548,20 +548,20 @@ def query_ood_clusters(
                 continue
             pc = pc[np.isfinite(pc)]
             if pc.size >= min_cells:
-                conformal[c] = conformal_vote(pc, clusters.size)
+                conformal[c] = conformal_vote(pc, clusters.size)[0]
             if pc.size >= min(min_cells, SHARE_TEST_MIN_VALUES):
                 below_half[c], means[c] = mean_p_below_half(pc), float(pc.mean())
         if claimed is not None and conformal:  # the contrast reads the finite p-values only
             fin = np.isfinite(pvalues[idx])
             p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
             idx_fin = idx[fin]
-            leaves = ~np.isin(codes_fin, [c for c, (low, _) in conformal.items() if low])
+            leaves = ~np.isin(codes_fin, [c for c, low in conformal.items() if low])
         for c in clusters:
             m = idx[codes == c]
             frac = ood[m].mean()
             share = bool(frac >= min_fraction or frac >= min_enrichment * overall)
             share_p = below_half.get(c) if share and share_level is not None else None
-            low, mean = conformal.get(c, (False, means.get(c)))
+            low, mean = conformal.get(c, False), means.get(c)
             auc = gap = None
             if low and claimed is not None:
                 in_c = codes_fin == c
