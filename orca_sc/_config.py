@@ -102,7 +102,7 @@ class DiscoveryConfig:
     pca_input
         What discovery's PCA reads: ``"log"``, the aligned log-normalised expression; ``"pearson"``, analytic Pearson residuals of the counts (Lause et al. 2021; gene shares per batch, overdispersion 100, clipped at the square root of the number of cells), where the input was counts (log-normalised input keeps ``"log"``); ``"auto"``, the residuals where the labelled cells' nearest labelled neighbours name their type right more often in them than in the log values (one-sided exact McNemar test, level 0.05), else the log values.
     integration
-        ``"harmony"``: discovery reads the batches integrated by Harmony on the joint PCA (``"none"``: a PCA of each cell set).
+        ``"harmony"``: discovery reads the batches integrated by Harmony on the joint PCA; ``"mnn"``: corrected by mutual nearest neighbours on it, the reference kept and each query batch translated per neighbourhood (``"none"``: a PCA of each cell set).
     use_rep
         Key of ``obsm`` holding the user's own integrated embedding of every cell (e.g. ``"X_scVI"``), present on reference and query alike: discovery reads it instead of a PCA (``None``: not used).
 
@@ -222,8 +222,8 @@ class DiscoveryConfig:
             _invalid("pca_input", self.pca_input, '"log", "pearson" or "auto"')
         if self.integration is None:  # as `--set integration=none` reads it
             object.__setattr__(self, "integration", "none")
-        if self.integration not in ("none", "harmony"):
-            _invalid("integration", self.integration, '"none" or "harmony"')
+        if self.integration not in ("none", "harmony", "mnn"):
+            _invalid("integration", self.integration, '"none", "harmony" or "mnn"')
         rep = self.use_rep
         if rep is not None and not (isinstance(rep, str) and rep):
             _invalid("use_rep", rep, "the name of an obsm key or None")

@@ -288,11 +288,12 @@ def _add(options):
 )
 @click.option(
     "--integration",
-    type=click.Choice(["none", "harmony"]),
+    type=click.Choice(["none", "harmony", "mnn"]),
     default="none",
     show_default=True,
     help="harmony: discovery reads reference and query integrated by Harmony on their joint "
-    "PCA (recorded in uns 'orca' 'estimate' 'integration').",
+    "PCA; mnn: each query batch moved onto the reference by its mutual nearest neighbours, "
+    "per neighbourhood (recorded in uns 'orca' 'estimate' 'integration').",
 )
 @click.option(
     "--pca-input",

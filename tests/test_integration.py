@@ -1,5 +1,5 @@
-"""Integration before discovery (``DiscoveryConfig.integration``): Harmony on the joint PCA, the
-record of what was used, the same result for the same seed, and the suite's figures of mixing,
+"""Integration before discovery (``DiscoveryConfig.integration``): Harmony or a mutual-nearest-
+neighbour correction on the joint PCA, the record of what was used, the same result for the same seed, and the suite's figures of mixing,
 separation and over-correction.
 """
 
@@ -10,7 +10,7 @@ from conftest import FAST, FAST_ARGS, LABELS_ONLY
 
 import orca_sc
 from orca_sc import benchmark as B
-from orca_sc._integrate import harmony, integrated_space
+from orca_sc._integrate import harmony, integrated_space, merge_order, mnn_correct
 
 
 def _two_batches(seed=0):
@@ -48,22 +48,63 @@ def test_harmony_mixes_batches_and_keeps_its_seed():
     assert none is None and info == {"method": "none", "reason": "one batch"}
 
 
-def test_an_annotation_with_harmony_records_it_and_repeats_itself():
+def _shifted_types(seed=0, n=150):
+    """A reference of types 0-2 and a query of types 0-3 (3 only in the query), the query
+    shifted by one vector plus a part that differs by type.
+    """
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(4, 12)) * 5
+    shift = rng.normal(size=12) * 3 + rng.normal(size=(4, 12))
+    ref_t, query_t = np.repeat([0, 1, 2], n), np.repeat([0, 1, 2, 3], n)
+    x = np.vstack([centres[ref_t], centres[query_t] + shift[query_t]])
+    x += rng.normal(size=x.shape)
+    batch = np.repeat([0, 1], [3 * n, 4 * n])
+    return x.astype(np.float32), batch, np.concatenate([ref_t, query_t])
+
+
+def test_mnn_moves_shared_types_onto_the_reference_and_leaves_a_new_type_apart():
+    x, batch, types = _shifted_types()
+    z, record = mnn_correct(x, batch, merge_order(batch, batch == 0))
+    assert z.shape == x.shape and np.isfinite(z).all() and record[0]["pairs"] > 0
+    np.testing.assert_array_equal(z[batch == 0], x[batch == 0])  # the reference is kept
+
+    def centre(e, b, t):
+        return e[(batch == b) & (types == t)].mean(0)
+
+    for t in (0, 1, 2):  # the query's cells of a shared type land on the reference's
+        before = np.linalg.norm(centre(x, 1, t) - centre(x, 0, t))
+        after = np.linalg.norm(centre(z, 1, t) - centre(z, 0, t))
+        assert after < 0.3 * before, t
+    # type 3 has no partner: it is moved with its neighbours, onto no reference type
+    spread = np.linalg.norm(x[(batch == 0) & (types == 0)] - centre(x, 0, 0), axis=1).mean()
+    for t in (0, 1, 2):
+        assert np.linalg.norm(centre(z, 1, 3) - centre(z, 0, t)) > 3 * spread, t
+    np.testing.assert_array_equal(z, mnn_correct(x, batch, np.array([0, 1]))[0])
+    # the batches with labelled cells are merged first, whatever their codes
+    assert merge_order(1 - batch, batch == 0).tolist() == [1, 0]
+    _, info = integrated_space(x, batch, "mnn", labelled=batch == 0)
+    assert info["method"] == "mnn" and info["pairs"][0] > 0 and info["batches"] == 2
+
+
+@pytest.mark.parametrize("method", ["harmony", "mnn"])
+def test_an_annotation_with_integration_records_it_and_repeats_itself(method):
     ref, query = _two_batches()
-    cfg = FAST | LABELS_ONLY | {"integration": "harmony"}
+    cfg = FAST | LABELS_ONLY | {"integration": method}
     runs = []
     for _ in range(2):
         q = query.copy()
         orca_sc.tl.annotate(q, ref, labels_key="cell_type", **cfg)
         runs.append(q)
     info = runs[0].uns["orca"]["estimate"]["integration"]
-    assert info["method"] == "harmony" and info["batches"] == 2
+    assert info["method"] == method and info["batches"] == 2
     assert info["cells"] == ref.n_obs + query.n_obs and info["n_pcs"] == 30
     assert runs[0].obs["orca_label"].equals(runs[1].obs["orca_label"])
     # type_4 (only in the query) is still found as novel in the integrated space
     novel = runs[0].obs["orca_novel"].notna().to_numpy()
     is4 = (query.obs["cell_type"] == "type_4").to_numpy()
     assert novel[is4].mean() > 0.8 and novel[~is4].mean() < 0.1
+    if method != "harmony":
+        return
     # the default reads the PCA of each cell set and, on counts, decides what the PCA reads
     # with the labelled cells' test, and says so
     q = query.copy()

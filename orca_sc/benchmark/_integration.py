@@ -1,7 +1,9 @@
 """How well a task's reference and query mix before and after integration, and whether
 integration pulls novel types onto known ones (issue "ORCA core 4"), from the task's data alone
 (no ORCA run): the joint log-normalised PCA of reference and query (2,000 highly variable genes,
-50 components) against Harmony on it (batch: reference / query; :func:`orca_sc._integrate.harmony`).
+50 components) against Harmony on it (batch: reference / query; :func:`orca_sc._integrate.harmony`)
+and against the query moved onto the reference by mutual nearest neighbours
+(:func:`orca_sc._integrate.mnn_correct`).
 
 For each space:
 
@@ -15,7 +17,7 @@ For each space:
   one known type (over-correction: a novel type pulled onto a known one).
 
 A protocol split (reference and query from one batch) has nothing to integrate: its Harmony
-figures are those of the PCA.
+and MNN figures are those of the PCA.
 """
 
 from __future__ import annotations
@@ -32,23 +34,29 @@ REF_NEIGHBORS = 10
 
 
 def integration_figures(task: Task, seed: int = 0, n_pcs: int = 50) -> dict[str, float]:
-    """The module's figures for ``task``, with the PCA and the Harmony embedding (columns
-    ``<figure>_pca``, ``<figure>_harmony``) and Harmony's seconds.
+    """The module's figures for ``task``, with the PCA, the Harmony embedding and the
+    mutual-nearest-neighbour correction (columns ``<figure>_pca``, ``<figure>_harmony``,
+    ``<figure>_mnn``) and the two corrections' seconds.
     """
-    from .._integrate import harmony
+    from .._integrate import harmony, mnn_correct
 
     pcs, is_ref = _joint_pca(task, n_pcs, seed)
     truth_ref = task.reference.obs[task.labels_key].astype(str).to_numpy()
     truth = np.concatenate([truth_ref, task.truth])
     out = {f"{k}_pca": v for k, v in _figures(pcs, is_ref, truth, task.seen).items()}
     if task.single:
-        out |= {f"{k}_harmony": out[f"{k}_pca"] for k in _FIGURES}
-        out["integration_seconds"] = 0.0
+        out |= {f"{k}_{m}": out[f"{k}_pca"] for k in _FIGURES for m in ("harmony", "mnn")}
+        out["integration_seconds"] = out["mnn_seconds"] = 0.0
         return out
     t0 = time.perf_counter()
     emb = harmony(pcs, np.where(is_ref, "reference", "query"), seed)
     out["integration_seconds"] = time.perf_counter() - t0
     out |= {f"{k}_harmony": v for k, v in _figures(emb, is_ref, truth, task.seen).items()}
+    t0 = time.perf_counter()
+    batch = (~is_ref).astype(np.int64)
+    emb, _ = mnn_correct(pcs, batch, np.array([0, 1]))
+    out["mnn_seconds"] = time.perf_counter() - t0
+    out |= {f"{k}_mnn": v for k, v in _figures(emb, is_ref, truth, task.seen).items()}
     return out
 
 
