@@ -122,10 +122,12 @@ def mnn_correct(
     (batch codes, the first kept as it is); each next batch is moved onto the cells merged so
     far by the mean difference of its mutual nearest pairs (cosine, ``k`` neighbours each way),
     each of its cells by the Gaussian-weighted mean correction of its ``smooth`` nearest paired
-    cells (bandwidth: the median distance to them). A translation per neighbourhood: a type
-    only the moved batch holds has no pair and takes the shift of the cells around it, so it is
-    not pulled onto a type of the other batch, which a clustering-based correction (Harmony)
-    can do. Returns the corrected PCA and, per merged batch, its cells and pairs.
+    cells (bandwidth: the median distance to them). A translation per neighbourhood, not a
+    clustering as Harmony's; but a type only the moved batch holds still pairs with the nearest
+    cells of the other batch, which can be of a type the moved batch lacks, and is then moved
+    onto them (``docs/discovery.md``: over-correction on small queries, and novel types merged
+    when discovery cuts the query in this space). Returns the corrected PCA and, per merged
+    batch, its cells and pairs.
     """
     from ._discover.compute import kneighbors
 
@@ -137,27 +139,25 @@ def mnn_correct(
         fixed = np.flatnonzero(merged)
         i, j = _mnn_pairs(_unit(out[fixed]), _unit(out[moving]), k)
         record.append({"cells": int(moving.size), "pairs": int(i.size)})
-        if i.size:  # the closest pair of the two batches is always mutual
-            # each paired cell's mean difference to its partners
-            paired, inv = np.unique(j, return_inverse=True)
-            diff = out[fixed[i]] - out[moving[j]]
-            vec = np.zeros((paired.size, out.shape[1]))
-            np.add.at(vec, inv, diff)
-            vec /= np.bincount(inv, minlength=paired.size)[:, None]
-            src, x = out[moving[paired]], out[moving]
-            m = min(smooth, paired.size)
-            near = kneighbors(src, m, x)  # (n_moving, m)
-            d2 = np.empty(near.shape)
-            for s in range(0, x.shape[0], _CHUNK):  # blocks of cells, not single cells
-                blk = slice(s, s + _CHUNK)
-                d2[blk] = ((x[blk, None, :] - src[near[blk]]) ** 2).sum(axis=2)
-            h2 = max(float(np.median(d2)), 1e-12)
-            w = np.exp(-(d2 - d2.min(axis=1, keepdims=True)) / h2)
-            w /= w.sum(axis=1, keepdims=True)
-            shift = np.empty_like(x)
-            for s in range(0, x.shape[0], _CHUNK):
-                blk = slice(s, s + _CHUNK)
-                shift[blk] = np.einsum("nm,nmd->nd", w[blk], vec[near[blk]])
-            out[moving] = x + shift
+        # never empty: the closest pair of the two batches is always mutual
+        paired, inv = np.unique(j, return_inverse=True)
+        diff = out[fixed[i]] - out[moving[j]]  # each paired cell's mean difference to its partners
+        vec = np.zeros((paired.size, out.shape[1]))
+        np.add.at(vec, inv, diff)
+        vec /= np.bincount(inv, minlength=paired.size)[:, None]
+        src, x = out[moving[paired]], out[moving]
+        near = kneighbors(src, min(smooth, paired.size), x)  # (n_moving, m)
+        d2 = np.empty(near.shape)
+        for s in range(0, x.shape[0], _CHUNK):  # blocks of cells, not single cells
+            blk = slice(s, s + _CHUNK)
+            d2[blk] = ((x[blk, None, :] - src[near[blk]]) ** 2).sum(axis=2)
+        h2 = max(float(np.median(d2)), 1e-12)  # the bandwidth needs every distance first
+        w = np.exp(-(d2 - d2.min(axis=1, keepdims=True)) / h2)
+        w /= w.sum(axis=1, keepdims=True)
+        shift = np.empty_like(x)
+        for s in range(0, x.shape[0], _CHUNK):
+            blk = slice(s, s + _CHUNK)
+            shift[blk] = np.einsum("nm,nmd->nd", w[blk], vec[near[blk]])
+        out[moving] = x + shift
         merged |= batch == b
     return out.astype(np.float32), record

@@ -1,6 +1,6 @@
 """Integration before discovery (``DiscoveryConfig.integration``): Harmony or a mutual-nearest-
-neighbour correction on the joint PCA, the record of what was used, the same result for the same seed, and the suite's figures of mixing,
-separation and over-correction.
+neighbour correction on the joint PCA, the record of what was used, the same result for the
+same seed, and the suite's figures of mixing, separation and over-correction.
 """
 
 import numpy as np
@@ -75,7 +75,7 @@ def test_mnn_moves_shared_types_onto_the_reference_and_leaves_a_new_type_apart()
         before = np.linalg.norm(centre(x, 1, t) - centre(x, 0, t))
         after = np.linalg.norm(centre(z, 1, t) - centre(z, 0, t))
         assert after < 0.3 * before, t
-    # type 3 has no partner: it is moved with its neighbours, onto no reference type
+    # type 3 has no type of its own to pair with here: it lands on no reference type
     spread = np.linalg.norm(x[(batch == 0) & (types == 0)] - centre(x, 0, 0), axis=1).mean()
     for t in (0, 1, 2):
         assert np.linalg.norm(centre(z, 1, 3) - centre(z, 0, t)) > 3 * spread, t
