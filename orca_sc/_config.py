@@ -71,6 +71,8 @@ class DiscoveryConfig:
         Where labels are sparse in a batch, the label tests read as many neighbours as a test at ``desert_alpha`` needs (``(1 - f)^k < desert_alpha``; 90 at 5% labelled) instead of ``n_neighbors``.
     query_resolution
         Leiden resolution of a batch without labelled cells (a separate query).
+    query_vote_cells
+        At most this many cells of a batch without labelled cells (a random sample, drawn with the run's seed) are clustered and vote; every other cell takes the cluster that most of its ``n_neighbors`` nearest sample cells hold, and the labelled pieces of the contrast vote's bar are cut from as many cells of their batch. Each cluster is then voted on its sample cells alone, so a vote's decision depends on the data, not on how many cells carry it (``None``: every cell).
     query_vote
         How a cluster of a batch without labelled cells becomes a candidate. ``"contrast"`` (the default): by its share of out-of-distribution cells (``"share"``, below), or where its cells score below the unseen labelled cells of the known type whose head claims them (each cell's conformal p-value against that type's cross-fitted cosines, shifted by the batch; the cluster's mean p at most 0.36, a medium effect, and below 1/2 by a one-sided test at level 0.01 over the batch's clusters), below that type's cells in the batch's clusters that this vote leaves (one-sided Mann-Whitney at the same level, a medium effect: a known type that the batch shifts as a whole is not taken), and further below them (median cosine, in units of the type's spread) than any Leiden piece of the labelled cells, voted the same way, sits below the rest of its type (an edge piece of a known type is not taken either); without the cross-fitted cosines (``novelty_folds`` < 2) it is the share vote. ``"share"``: by the share alone (the earlier default; measured: docs/discovery.md). ``"either"`` (measured, not the default): the share or the conformal vote, without the contrast (needs ``novelty_folds`` >= 2 and ``cross_fit_threshold="per_type"``).
     query_min_fraction
@@ -128,6 +130,7 @@ class DiscoveryConfig:
     segregated_support: float = 0.1
     widen_label_neighbourhood: bool = True
     query_resolution: float = 1.0
+    query_vote_cells: int | None = None
     query_vote: str = "contrast"
     query_min_fraction: float = 0.5
     query_min_enrichment: float = 2.5
@@ -232,6 +235,13 @@ class DiscoveryConfig:
                 "integration", self.integration,
                 f'"none" when use_rep is given (use_rep={rep!r} is the integrated space already)',
             )  # fmt: skip
+        qvc = self.query_vote_cells
+        if qvc is not None and (not _is_int(qvc) or qvc < 2 * self.n_neighbors):
+            _invalid(
+                "query_vote_cells",
+                qvc,
+                f"None or an integer >= {2 * self.n_neighbors} (twice n_neighbors)",
+            )
         thr = self.merge_threshold
         if thr is not None and not (_is_number(thr) and 0 < thr <= 1):
             _invalid("merge_threshold", thr, "a number in (0, 1] or None")

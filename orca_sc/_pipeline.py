@@ -219,8 +219,9 @@ class RunContext:
             if not done:  # computed at the first call (on the process that decides)
                 with stage("integration"):
                     pcs = self.pca(dc.n_pcs, rows)
-                    emb, record = integrated_space(pcs, batch, dc.integration, seed,
-                                                   self.data.labeled[rows])
+                    emb, record = integrated_space(
+                        pcs, batch, dc.integration, seed, self.data.labeled[rows]
+                    )
                 done.append(emb)
                 info.clear()
                 info.update(record, **self.pca_input_record())

@@ -678,6 +678,8 @@ def test_every_config_field_is_validated(field, value):
         ("anchor_significant", 1),
         ("no_warmup_rel_threshold", 3),
         ("pca_input", "counts"),
+        ("query_vote_cells", 10),
+        ("query_vote_cells", 2500.0),
     ],
 )
 def test_every_discovery_field_is_validated(field, value):
@@ -686,7 +688,9 @@ def test_every_discovery_field_is_validated(field, value):
 
 
 def test_discovery_config_round_trips_and_refuses_unknown_keys():
-    cfg = OrcaConfig(n_genes=50).replace(merge_threshold=None, resolution=0.3)
+    cfg = OrcaConfig(n_genes=50).replace(
+        merge_threshold=None, resolution=0.3, query_vote_cells=3000
+    )
     assert OrcaConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.discovery.resolution == 0.3 and cfg.discovery.merge_threshold is None
     # a discovery option at the top level is not an OrcaConfig field
@@ -740,6 +744,47 @@ def test_query_ood_clusters_votes_per_cluster():
         ood, cells, domain, lambda idx: emb[idx], resolution=0.2, min_enrichment=np.inf
     )
     assert [pd.Series(truth[g]).mode()[0] for g in only_majority] == ["N"]
+
+
+def test_query_vote_on_a_sample_reads_as_many_cells_at_any_size():
+    """A batch of ten times the cells, voted on a sample of the original batch's size: the
+    candidates are the same types, each holding all of its cells (those out of the sample take
+    their nearest sample cells' cluster), the votes read the sample's cells only, and the same
+    seed gives the same result. A batch no larger than the sample is clustered as before.
+    """
+    from orca_sc._discover import query_ood_clusters
+    from orca_sc._discover.graph import leiden
+    from orca_sc._discover.ood import sampled_clusters
+
+    rng = np.random.default_rng(3)
+    n = {"N": 600, "K1": 3000, "K2": 3000, "M": 800}
+    rate = {"N": 0.7, "K1": 0.05, "K2": 0.05, "M": 0.4}
+    centers = {t: 10.0 * np.eye(4)[i] for i, t in enumerate(n)}
+    emb = np.vstack([centers[t] + rng.normal(0, 1, (n[t], 4)) for t in n])
+    truth = np.repeat(list(n), list(n.values()))
+    ood = rng.random(truth.size) < np.array([rate[t] for t in truth])
+    cells = np.arange(truth.size)
+    domain = np.zeros(truth.size, dtype=np.int64)
+
+    codes, voters = sampled_clusters(emb, 0.2, 0, 15, 740)
+    assert voters.sum() == 740 and codes.shape == (truth.size,)
+    for t in n:  # each group one cluster, the cells outside the sample included
+        assert pd.Series(codes[truth == t]).value_counts(normalize=True).iloc[0] > 0.99
+    again = sampled_clusters(emb, 0.2, 0, 15, 740)
+    assert np.array_equal(codes, again[0]) and np.array_equal(voters, again[1])
+    small = emb[:500]
+    np.testing.assert_array_equal(sampled_clusters(small, 0.2, 0, 15, 740)[0],
+                                  leiden(small, 0.2, 0, n_neighbors=15))  # fmt: skip
+
+    votes: list[dict] = []
+    groups = query_ood_clusters(ood, cells, domain, lambda idx: emb[idx], resolution=0.2,
+                                max_cells=740, votes=votes)  # fmt: skip
+    assert sorted(pd.Series(truth[g]).mode()[0] for g in groups) == ["M", "N"]
+    for g in groups:
+        t = pd.Series(truth[g]).mode()[0]
+        assert (truth[g] == t).mean() > 0.95 and g.size >= 0.95 * n[t]
+    assert sum(v["voters"] for v in votes) == 740
+    assert sum(v["cells"] for v in votes) == truth.size
 
 
 def test_pearson_residuals_from_log_values_match_scanpy_on_the_counts(tmp_path):

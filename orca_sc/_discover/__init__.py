@@ -166,7 +166,7 @@ def discover(
         bar = ContrastBar(maxcos, spread, reference_gaps(
             held_out, labels, domain, np.flatnonzero(lab & np.isfinite(held_out)), pca_cells,
             spread, resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
-            min_cells=cells_for_quantile(cfg.novelty_alpha),
+            min_cells=cells_for_quantile(cfg.novelty_alpha), max_cells=cfg.query_vote_cells,
         ))  # fmt: skip
     groups = _query_candidates(ood, query, domain, pca_cells, cfg, seed, pvalues, votes, claimed,
                                bar)  # fmt: skip
@@ -175,6 +175,7 @@ def discover(
         shift_said = shift_said + spread_notes(votes, names, cells.class_names)
         tau_info = {**tau_info, "query_votes": {
             "batch": [names[v["batch"]] for v in votes], "cells": [v["cells"] for v in votes],
+            "voters": [v["voters"] for v in votes],
             "mean_p": [np.nan if v["mean_p"] is None else v["mean_p"] for v in votes],
             "share": [v["share"] for v in votes],
             "share_test_p": [np.nan if v["share_test_p"] is None else v["share_test_p"]

@@ -435,6 +435,45 @@ class ContrastBar:
         return bool(self.gaps.size == 0 or gap > self.gaps[-1]), gap
 
 
+def sampled_clusters(
+    emb: np.ndarray,
+    resolution: float,
+    seed: int,
+    n_neighbors: int,
+    max_cells: int | None,
+    stream: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Leiden cluster codes of the rows of ``emb`` cut on at most ``max_cells`` of them: a batch
+    of more rows is clustered on a random sample of ``max_cells`` rows (drawn from the run's
+    ``seed`` and the batch's ``stream``), and every other row takes the cluster most of its
+    ``n_neighbors`` nearest sample rows hold (the smallest code of those tied). A fixed
+    resolution cuts more clusters the more cells carry the same types; cut on a sample of fixed
+    size, the clusters are those of a batch of that size. Returns the codes of every row and
+    the mask of the sample's rows (the rows that vote; all of them when ``max_cells`` is
+    ``None`` or not exceeded).
+    """
+    n = emb.shape[0]
+    if max_cells is None or n <= max_cells:
+        return leiden(emb, resolution, seed, n_neighbors=n_neighbors), np.ones(n, dtype=bool)
+    from sklearn.neighbors import NearestNeighbors
+
+    rng = np.random.default_rng([seed, stream, 0x51])
+    voters = np.zeros(n, dtype=bool)
+    voters[rng.choice(n, max_cells, replace=False)] = True
+    sample = np.flatnonzero(voters)
+    codes = np.empty(n, dtype=np.int64)
+    codes[sample] = leiden(emb[sample], resolution, seed, n_neighbors=n_neighbors)
+    rest = np.flatnonzero(~voters)
+    nb = NearestNeighbors(n_neighbors=n_neighbors).fit(emb[sample])
+    k = int(codes[sample].max()) + 1
+    for lo in range(0, rest.size, 8192):  # chunks of rows: a (chunk, k) count table each
+        rows = rest[lo : lo + 8192]
+        near = codes[sample][nb.kneighbors(emb[rows], return_distance=False)]
+        flat = (np.arange(rows.size)[:, None] * k + near).ravel()
+        codes[rows] = np.bincount(flat, minlength=rows.size * k).reshape(rows.size, k).argmax(1)
+    return codes, voters
+
+
 def reference_gaps(
     held_out: np.ndarray,
     labels: np.ndarray,
@@ -447,14 +486,16 @@ def reference_gaps(
     seed: int = 0,
     n_neighbors: int = _DEFAULTS.n_neighbors,
     min_cells: int = cells_for_quantile(_DEFAULTS.novelty_alpha),
+    max_cells: int | None = _DEFAULTS.query_vote_cells,
 ) -> np.ndarray:
     """How far pieces of known types sit below the rest of their type, found as a query batch's
     are: the labelled cells ``cells`` (each with a cross-fitted cosine ``held_out``) of each
     batch clustered as a query batch is (Leiden on ``pca_of`` of the batch's cells at
-    ``resolution``), each cluster voted by :func:`conformal_vote` on its cells' p-values (their
-    rank among their type's cross-fitted cosines), and for each cluster the :func:`cosine_gap`
-    of its cells of its most common type against that type's cells in the other clusters the
-    vote leaves. A piece of a labelled type is a known type by definition, so the largest of
+    ``resolution``, on a sample of at most ``max_cells`` of them, :func:`sampled_clusters`,
+    whose cells alone are then read), each cluster voted by :func:`conformal_vote` on its
+    cells' p-values (their rank among their type's cross-fitted cosines), and for each cluster
+    the :func:`cosine_gap` of its cells of its most common type against that type's cells in the
+    other clusters the vote leaves. A piece of a labelled type is a known type by definition, so the largest of
     these is how far below its type a piece of a known type can sit here: the bar a query
     cluster's gap must clear. Clusters with fewer than ``min_cells`` cells of the type on either
     side are left out. Returns the gaps, sorted.
@@ -468,7 +509,9 @@ def reference_gaps(
         idx = cells[domain[cells] == d]
         if idx.size < 2 * min_cells:
             continue
-        codes = leiden(pca_of(idx), resolution, seed, n_neighbors=n_neighbors)
+        codes, voters = sampled_clusters(pca_of(idx), resolution, seed, n_neighbors, max_cells,
+                                         stream=int(d))  # fmt: skip
+        idx, codes = idx[voters], codes[voters]
         lab, cos, pd_ = labels[idx], held_out[idx], p[idx]
         clusters = np.unique(codes)
         low = [c for c in clusters
@@ -500,6 +543,7 @@ def query_ood_clusters(
     claimed: np.ndarray | None = None,
     bar: ContrastBar | None = None,
     share_level: float | None = None,
+    max_cells: int | None = _DEFAULTS.query_vote_cells,
 ) -> list[np.ndarray]:
     """Candidate novel clusters of batches without labelled cells, decided per cluster.
 
@@ -528,15 +572,21 @@ def query_ood_clusters(
     cells as a whole score like the labelled cells. ``votes``: a list to which each cluster's
     size, mean p-value (``None``: under :data:`SHARE_TEST_MIN_VALUES` of them), contrast
     probability and gap (``None``: not compared), the share vote's
-    decision, its test's p-value (``None``: not tested) and the decision are appended. Returns
-    the index arrays of the candidates' cells.
+    decision, its test's p-value (``None``: not tested) and the decision are appended. With
+    ``max_cells``, a larger batch is clustered on a sample of that many cells
+    (:func:`sampled_clusters`) and each cluster is voted on its sample cells alone: every vote
+    then reads as many cells as in a batch of ``max_cells``, and a candidate holds all the cells
+    its cluster took. Returns the index arrays of the candidates' cells.
     """
     found: list[np.ndarray] = []
     for d in np.unique(domain[cells]):  # loop over batches, not cells
         idx = cells[domain[cells] == d]
         if idx.size < 2:  # a batch of one cell is not clustered
             continue
-        codes = leiden(pca_of(idx), resolution, seed, n_neighbors=n_neighbors)
+        codes, voters = sampled_clusters(pca_of(idx), resolution, seed, n_neighbors, max_cells,
+                                         stream=int(d))  # fmt: skip
+        members = idx  # every cell of the batch, by cluster; the votes read the sample's cells
+        idx, codes_all, codes = idx[voters], codes, codes[voters]
         overall = ood[idx].mean()
         clusters = np.unique(codes)
         # the conformal vote of each cluster first: the contrast compares a flagged cluster
@@ -557,7 +607,7 @@ def query_ood_clusters(
             idx_fin = idx[fin]
             leaves = ~np.isin(codes_fin, [c for c, low in conformal.items() if low])
         for c in clusters:
-            m = idx[codes == c]
+            m = idx[codes == c]  # the cluster's voters
             frac = ood[m].mean()
             share = bool(frac >= min_fraction or frac >= min_enrichment * overall)
             share_p = below_half.get(c) if share and share_level is not None else None
@@ -572,13 +622,14 @@ def query_ood_clusters(
                     low, gap = bar.passes(m[claimed[m] == t], rest, t)
             take = (share and (share_p is None or share_p <= share_level)) or low
             if votes is not None:
-                votes.append({"batch": int(d), "cells": int(m.size), "mean_p": mean,
+                votes.append({"batch": int(d), "cells": int((codes_all == c).sum()),
+                              "voters": int(m.size), "mean_p": mean,
                               "contrast_auc": auc, "gap": gap, "share": share,
                               "share_test_p": share_p, "candidate": take,
                               "flagged": float(frac),
                               "type": None if claimed is None else _mode(claimed[m])})  # fmt: skip
             if take:
-                found.append(m)
+                found.append(members[codes_all == c])
     return found
 
 
@@ -594,6 +645,7 @@ def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryConfig, seed:
         resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
         pvalues=pvalues, min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes,
         claimed=claimed, bar=bar, share_level=cfg.novelty_alpha if cfg.share_vote_test else None,
+        max_cells=cfg.query_vote_cells,
     )  # fmt: skip
 
 
