@@ -73,6 +73,8 @@ class DiscoveryConfig:
         Leiden resolution of a batch without labelled cells (a separate query).
     query_vote_cells
         At most this many cells of a batch without labelled cells (a random sample, drawn with the run's seed) are clustered and vote; every other cell takes the cluster that most of its ``n_neighbors`` nearest sample cells hold, and the labelled pieces of the contrast vote's bar are cut from as many cells of their batch. Each cluster is then voted on its sample cells alone, so a vote's decision depends on the data, not on how many cells carry it (``None``: every cell).
+    query_scores
+        What the query vote's conformal p-values and its bar read of a query cell: ``"warmup"`` (the default), its best seen-head cosine in the main warm-up, ranked among the cross-fitted cosines of the labelled cells of the type that claims it; ``"folds"``, its best cosine in each cross-fitted warm-up ranked among the cells held out of that warm-up alone (cross-conformal: both sides of each comparison are cells the net never trained on, so the p-value does not depend on how closely the main warm-up fitted its cells, which falls with the number of cells). Costs one inference of the discovery sample's unlabelled cells per fold.
     query_vote
         How a cluster of a batch without labelled cells becomes a candidate. ``"contrast"`` (the default): by its share of out-of-distribution cells (``"share"``, below), or where its cells score below the unseen labelled cells of the known type whose head claims them (each cell's conformal p-value against that type's cross-fitted cosines, shifted by the batch; the cluster's mean p at most 0.36, a medium effect, and below 1/2 by a one-sided test at level 0.01 over the batch's clusters), below that type's cells in the batch's clusters that this vote leaves (one-sided Mann-Whitney at the same level, a medium effect: a known type that the batch shifts as a whole is not taken), and further below them (median cosine, in units of the type's spread) than any Leiden piece of the labelled cells, voted the same way, sits below the rest of its type (an edge piece of a known type is not taken either); without the cross-fitted cosines (``novelty_folds`` < 2) it is the share vote. ``"share"``: by the share alone (the earlier default; measured: docs/discovery.md). ``"either"`` (measured, not the default): the share or the conformal vote, without the contrast (needs ``novelty_folds`` >= 2 and ``cross_fit_threshold="per_type"``).
     query_min_fraction
@@ -131,6 +133,7 @@ class DiscoveryConfig:
     widen_label_neighbourhood: bool = True
     query_resolution: float = 1.0
     query_vote_cells: int | None = None
+    query_scores: str = "warmup"
     query_vote: str = "contrast"
     query_min_fraction: float = 0.5
     query_min_enrichment: float = 2.5
@@ -199,6 +202,8 @@ class DiscoveryConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 _invalid(name, getattr(self, name), "True or False")
+        if self.query_scores not in ("warmup", "folds"):
+            _invalid("query_scores", self.query_scores, '"warmup" or "folds"')
         if self.cross_fit_threshold is None:  # no cross-fitted threshold: the in-sample one
             object.__setattr__(self, "cross_fit_threshold", "none")
         if isinstance(self.cross_fit_threshold, bool):  # saved by 0.2.0: True was the cap

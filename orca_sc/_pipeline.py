@@ -357,7 +357,12 @@ def _fit(run: RunContext) -> Fit:
     held_out = None if side is None else side.held_out_similarity
     with stage("discovery"):
         cand = find_candidates(
-            run, warm.net, warm.held, warmed_up=run.plan.warmup > 0, held_out=held_out
+            run,
+            warm.net,
+            warm.held,
+            warmed_up=run.plan.warmup > 0,
+            held_out=held_out,
+            side=side,
         )
     with stage("size check"):
         cand = check_size(run, warm.held, cand)
@@ -418,11 +423,13 @@ def find_candidates(
     labels: np.ndarray | None = None,
     domain: np.ndarray | None = None,
     held_out: np.ndarray | None = None,
+    side: FoldNets | None = None,
 ) -> Candidates:
     """The discover stage on (at most ``discovery.max_cells``) cells; ``labels`` and ``domain``
     replace the data's (the self-check hides some); ``held_out``: every cell's cross-fitted best
-    seen-head cosine (:func:`fold_warmups`), which caps the threshold. A decision: made on
-    rank 0.
+    seen-head cosine (:func:`fold_warmups`), which caps the threshold; ``side``: the
+    cross-fitted warm-ups, whose cosines of the cells of batches without labelled cells the
+    query vote reads with ``query_scores="folds"``. A decision: made on rank 0.
     """
     data, cfg, dc = run.data, run.config, run.config.discovery
     labels = data.labels if labels is None else labels
@@ -437,10 +444,14 @@ def find_candidates(
         )  # fmt: skip
         return Candidates(found, rows, None)
     emb, similarity = seen_similarity(net, run.cells, rows, run.comm)
+    fold_similarity = None
+    if dc.query_scores == "folds" and side is not None and held_out is not None:
+        fold_similarity = _fold_query_cosines(run, side, rows, labels, domain)
     cells = DiscoveryInput(
         emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
         domain_names=[*data.domain_names, "self-check"],
         held_out_similarity=None if held_out is None else held_out[rows], class_names=data.classes,
+        fold_similarity=fold_similarity, folds=None if side is None else side.folds[rows],
     )  # fmt: skip
     found = run.comm.on_main(_discover_in, cells, dc, cfg, space)
     return Candidates(found, rows, similarity.max(axis=1))
@@ -633,6 +644,26 @@ def _discover_in(
     """
     found = discover(cells, dc, n_novel=cfg.n_novel, seed=cfg.seed)
     return replace(found, diagnostics={**found.diagnostics, "integration": dict(space)})
+
+
+def _fold_query_cosines(
+    run: RunContext, side: FoldNets, rows: np.ndarray, labels: np.ndarray, domain: np.ndarray
+) -> np.ndarray:
+    """Each fold net's best seen-head cosine ``(n_folds, rows.size)`` of the cells of ``rows`` in
+    batches without labelled cells (NaN elsewhere, and for a fold without a net).
+    """
+    lab, dom = labels[rows] >= 0, domain[rows]
+    query = ~lab & ~np.isin(dom, np.unique(dom[lab]))
+    out = np.full((len(side.nets), rows.size), np.nan)
+    if not query.any():
+        return out
+    for f, net in enumerate(side.nets):  # loop over folds, not cells
+        if net is not None:
+            with stage("fold inference"):
+                out[f, query] = seen_similarity(net, run.cells, rows[query], run.comm)[1].max(
+                    axis=1
+                )
+    return out
 
 
 def _count_fold(

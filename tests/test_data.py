@@ -680,6 +680,7 @@ def test_every_config_field_is_validated(field, value):
         ("pca_input", "counts"),
         ("query_vote_cells", 10),
         ("query_vote_cells", 2500.0),
+        ("query_scores", "fold"),
     ],
 )
 def test_every_discovery_field_is_validated(field, value):
@@ -689,7 +690,7 @@ def test_every_discovery_field_is_validated(field, value):
 
 def test_discovery_config_round_trips_and_refuses_unknown_keys():
     cfg = OrcaConfig(n_genes=50).replace(
-        merge_threshold=None, resolution=0.3, query_vote_cells=3000
+        merge_threshold=None, resolution=0.3, query_vote_cells=3000, query_scores="folds"
     )
     assert OrcaConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.discovery.resolution == 0.3 and cfg.discovery.merge_threshold is None

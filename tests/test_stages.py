@@ -689,6 +689,50 @@ def test_conformal_query_vote_does_not_move_with_the_number_of_cells():
         assert flagged[:n].mean() < 0.12 and flagged[n:].mean() < 0.5
 
 
+def test_fold_query_pvalues_compare_each_net_with_its_own_held_out_cells():
+    """With ``query_scores="folds"`` a query cell's p-value ranks its cosine in each fold's net
+    among the cosines of the cells held out of that net alone. Nets that fit their cells to
+    different degrees (here fold f's cosines all offset by 0.1 * f, held-out and query cells
+    alike) then give the p-values of one net: uniform for a known type's cells, low for a type
+    below them; pooling the held-out cosines of every net against one net's query cosines (what
+    the main warm-up's cosines against the fold nets' are) does not. The batch's shift of a type
+    (here -0.05) is taken out; types with too few held-out cells get no p-value.
+    """
+    from orca_sc._discover import fold_query_pvalues
+
+    rng = np.random.default_rng(4)
+    n_folds, n_held, n_q = 5, 500, 3_000
+    n_nov = n_q // 5  # a novel type is a minority of the cells its head claims
+    folds = np.r_[np.arange(n_held) % n_folds, np.full(n_q + n_nov + 10, -1)]
+    labels = np.r_[np.zeros(n_held, int), np.full(n_q + n_nov + 10, -1)]
+    predicted = np.r_[np.zeros(n_held + n_q + n_nov, int), np.ones(10, int)]
+    offset = 0.1 * np.arange(n_folds)[:, None]
+    n = labels.size
+    held_out = np.full(n, np.nan)
+    held_out[:n_held] = rng.normal(0.35, 0.1, n_held) + offset[folds[:n_held], 0]
+    fold_cos = np.full((n_folds, n), np.nan)
+    cells = np.arange(n_held, n)
+    known = rng.normal(0.30, 0.1, (n_folds, n_q))  # type 0, shifted down by the batch
+    novel = rng.normal(0.20, 0.1, (n_folds, n_nov))  # a type below it, claimed by its head
+    fold_cos[:, cells] = np.c_[known, novel, rng.normal(0.3, 0.1, (n_folds, 10))] + offset
+    domain = np.r_[np.zeros(n_held, int), np.ones(n - n_held, int)]
+    p, mean_cos = fold_query_pvalues(fold_cos, folds, predicted, labels, held_out, domain,
+                                     cells, 20)  # fmt: skip
+    assert np.isnan(p[:n_held]).all() and np.isnan(mean_cos[:n_held]).all()
+    assert np.isnan(p[-10:]).all()  # type 1 has no held-out cells
+    p_known, p_novel = p[n_held : n_held + n_q], p[n_held + n_q : n_held + n_q + n_nov]
+    assert p_known.mean() == pytest.approx(0.5, abs=0.05)
+    assert (p_known <= 0.05).mean() < 0.08
+    assert p_novel.mean() < 0.36
+    np.testing.assert_allclose(mean_cos[cells], fold_cos[:, cells].mean(axis=0))
+    # one net's query cosines against every net's held-out cosines: not uniform
+    from orca_sc._discover import query_pvalues
+
+    mixed = query_pvalues(np.where(np.isnan(held_out), fold_cos[n_folds - 1], held_out),
+                          predicted, labels, held_out, domain, cells, {1: [-0.05, None]}, 20)  # fmt: skip
+    assert mixed[n_held : n_held + n_q].mean() > 0.65
+
+
 def test_conformal_query_vote_needs_an_effect_and_enough_cells():
     """A cluster slightly below its type (mean p 0.45) is not a candidate even at 50,000 cells,
     where a test alone would call it; three cells at p 0.2 are not one either: the test cannot
@@ -937,3 +981,25 @@ def test_share_vote_test_reads_clusters_with_few_p_values():
     assert len(tested) == 2 and tested[0] < 0.001 < 0.05 < tested[1]
     # the mean p-value is recorded wherever the test could read one (the note names it)
     assert [v["share"] for v in votes if v["mean_p"] is None] == [True]
+
+
+def test_query_vote_reads_the_fold_nets_with_query_scores_folds(small_sim):
+    """With ``query_scores="folds"`` a separate query's vote reads its cells' cosines in the
+    cross-fitted warm-ups (each against the cells held out of the same net): the run finds both
+    novel types of the small simulation and calls no known-type cell novel, as with the main
+    warm-up's cosines, while the clusters' mean p-values are those of the other scores.
+    """
+    lab = small_sim.obs["lab"].notna().to_numpy()
+    ref, means = small_sim[lab].copy(), {}
+    for scores in ("warmup", "folds"):
+        query = small_sim[~lab].copy()
+        orca_sc.tl.annotate(query, ref, labels_key="lab", query_scores=scores, **FAST)
+        truth = query.obs["cell_type"].astype(str)
+        novel = query.obs["orca_novel"]
+        for t in ("type_3", "type_4"):
+            assert novel[truth == t].notna().mean() > 0.9, scores
+        assert novel[~truth.isin(["type_3", "type_4"])].notna().mean() < 0.05, scores
+        votes = query.uns["orca"]["estimate"]["query_votes"]
+        means[scores] = np.asarray(votes["mean_p"], dtype=float)
+    assert means["warmup"].shape == means["folds"].shape
+    assert not np.allclose(means["warmup"], means["folds"], equal_nan=True)

@@ -63,6 +63,7 @@ from .ood import (
     _rank_by_size,
     calibration_split,
     cells_for_quantile,
+    fold_query_pvalues,
     ood_clusters,
     ood_threshold,
     query_ood_clusters,
@@ -101,6 +102,8 @@ class DiscoveryInput:
     domain_names: list[str] | None = None
     held_out_similarity: np.ndarray | None = None
     class_names: list[str] | None = None
+    fold_similarity: np.ndarray | None = None
+    folds: np.ndarray | None = None
 
 
 def discover(
@@ -135,6 +138,9 @@ def discover(
     per_type = cfg.cross_fit_threshold == "per_type" and held_out is not None
     tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg, None if per_type else held_out)
     cell_tau, shift_said, pvalues, votes = None, [], None, []
+    # the query vote's scores read in the cross-fitted warm-ups (query_scores="folds")
+    use_folds = cfg.query_scores == "folds" and cells.fold_similarity is not None
+    vote_cos = maxcos
     if per_type:
         cell_tau, record = type_thresholds(
             maxcos, predicted, labels, held_out, query, domain, tau,
@@ -147,7 +153,13 @@ def discover(
                     "shift_kept": kept}  # fmt: skip
         shift_said = shift_notes(record, domain_names, cells.class_names,
                                  cells_for_quantile(cfg.novelty_alpha))  # fmt: skip
-        if cfg.query_vote != "share" and query.any():
+        if cfg.query_vote != "share" and query.any() and use_folds:
+            pvalues, fold_cos = fold_query_pvalues(
+                cells.fold_similarity, cells.folds, predicted, labels, held_out, domain,
+                np.flatnonzero(query), cells_for_quantile(cfg.novelty_alpha),
+            )  # fmt: skip
+            vote_cos = np.where(np.isfinite(fold_cos), fold_cos, maxcos)
+        elif cfg.query_vote != "share" and query.any():
             pvalues = query_pvalues(
                 maxcos, predicted, labels, held_out, domain,
                 np.flatnonzero(query), record["query_shift"], cells_for_quantile(cfg.novelty_alpha),
@@ -163,7 +175,7 @@ def discover(
     bar = None
     if claimed is not None:  # how far below its type a piece of a labelled type sits
         spread = type_spread(held_out, labels, seen_similarity.shape[1])
-        bar = ContrastBar(maxcos, spread, reference_gaps(
+        bar = ContrastBar(vote_cos, spread, reference_gaps(
             held_out, labels, domain, np.flatnonzero(lab & np.isfinite(held_out)), pca_cells,
             spread, resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
             min_cells=cells_for_quantile(cfg.novelty_alpha), max_cells=cfg.query_vote_cells,
@@ -245,6 +257,7 @@ __all__ = [
     "pca_embedding",
     "query_batch_cells",
     "query_ood_clusters",
+    "fold_query_pvalues",
     "query_pvalues",
     "resolve_resolution",
     "segregated_batches",

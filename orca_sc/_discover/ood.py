@@ -310,6 +310,57 @@ def query_pvalues(
     return p
 
 
+def fold_query_pvalues(
+    fold_cosine: np.ndarray,
+    folds: np.ndarray,
+    predicted: np.ndarray,
+    labels: np.ndarray,
+    held_out: np.ndarray,
+    domain: np.ndarray,
+    cells: np.ndarray,
+    min_cells: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each of ``cells``' cross-conformal p-value of novelty read in the cross-fitted warm-ups
+    alone: in each fold's net, its best seen-head cosine (``fold_cosine[f]``) against the
+    cosines of the cells held out of that net (``held_out`` where ``folds == f``) of the known
+    type the main warm-up's head gives it (``predicted``), raised by its batch's shift of that
+    type, the counts summed over the folds, ``(1 + k) / (m + 1)``. Both sides of every comparison
+    are cells the net did not train on, so how closely a net fitted its own cells (which falls
+    with the number of cells at a fixed number of steps) cancels. The shift of a type in a batch
+    is the difference of the :data:`SHIFT_QUANTILE` quantiles of the batch's cosines (over the
+    folds) and of the held-out ones, never positive, where the batch holds at least
+    ``min_cells`` of its cells. NaN where the type has fewer than ``min_cells`` held-out
+    cosines, and outside ``cells``. Returns the p-values and each cell's cosine in the fold nets
+    (their mean; NaN outside ``cells``), over all cells.
+    """
+    p = np.full(fold_cosine.shape[1], np.nan)
+    mean_cos = np.full(fold_cosine.shape[1], np.nan)
+    fin = np.isfinite(fold_cosine[:, cells])
+    nets = fin.any(axis=1)  # folds whose net scored the cells
+    mean_cos[cells] = np.nanmean(np.where(fin[nets], fold_cosine[nets][:, cells], np.nan), axis=0)
+    claimed, batch = predicted[cells], domain[cells]
+    known = np.isfinite(held_out)
+    for t in np.unique(claimed):  # loop over known types, not cells
+        of_type = (labels == t) & known
+        ht = held_out[of_type]
+        if ht.size < min_cells:
+            continue
+        for d in np.unique(batch):  # loop over batches
+            rows = cells[(claimed == t) & (batch == d)]
+            delta = 0.0
+            if rows.size >= min_cells:
+                scores = fold_cosine[nets][:, rows]
+                upper = np.quantile(scores, SHIFT_QUANTILE) - np.quantile(ht, SHIFT_QUANTILE)
+                delta = min(0.0, float(upper))
+            counts = CrossConformal(rows.size)
+            for f in np.flatnonzero(nets):  # loop over folds
+                cal = held_out[of_type & (folds == f)]
+                if cal.size:
+                    counts.add(-cal, -(fold_cosine[f, rows] - delta))
+            p[rows] = counts.pvalues()
+    return p, mean_cos
+
+
 #: the share vote's test reads a cluster with at least this many conformal p-values: with fewer
 #: the exact test cannot confirm a cluster of novel cells (at level 0.05 it needs a mean p below
 #: 0.16 from 2 values, below 0.29 from 5; the novel clusters' cells score 0.01-0.2)
