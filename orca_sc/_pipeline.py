@@ -652,8 +652,7 @@ def _fold_query_cosines(
     """Each fold net's best seen-head cosine ``(n_folds, rows.size)`` of the cells of ``rows`` in
     batches without labelled cells (NaN elsewhere, and for a fold without a net).
     """
-    lab, dom = labels[rows] >= 0, domain[rows]
-    query = ~lab & ~np.isin(dom, np.unique(dom[lab]))
+    query = query_batch_cells(labels[rows], domain[rows])
     out = np.full((len(side.nets), rows.size), np.nan)
     if not query.any():
         return out

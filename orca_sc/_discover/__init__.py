@@ -153,17 +153,18 @@ def discover(
                     "shift_kept": kept}  # fmt: skip
         shift_said = shift_notes(record, domain_names, cells.class_names,
                                  cells_for_quantile(cfg.novelty_alpha))  # fmt: skip
-        if cfg.query_vote != "share" and query.any() and use_folds:
-            pvalues, fold_cos = fold_query_pvalues(
-                cells.fold_similarity, cells.folds, predicted, labels, held_out, domain,
-                np.flatnonzero(query), cells_for_quantile(cfg.novelty_alpha),
-            )  # fmt: skip
-            vote_cos = np.where(np.isfinite(fold_cos), fold_cos, maxcos)
-        elif cfg.query_vote != "share" and query.any():
-            pvalues = query_pvalues(
-                maxcos, predicted, labels, held_out, domain,
-                np.flatnonzero(query), record["query_shift"], cells_for_quantile(cfg.novelty_alpha),
-            )  # fmt: skip
+        if cfg.query_vote != "share" and query.any():
+            if use_folds:
+                pvalues, fold_cos = fold_query_pvalues(
+                    cells.fold_similarity, cells.folds, predicted, labels, held_out, domain,
+                    np.flatnonzero(query), cells_for_quantile(cfg.novelty_alpha),
+                )  # fmt: skip
+                vote_cos = np.where(np.isfinite(fold_cos), fold_cos, maxcos)
+            else:
+                pvalues = query_pvalues(
+                    maxcos, predicted, labels, held_out, domain, np.flatnonzero(query),
+                    record["query_shift"], cells_for_quantile(cfg.novelty_alpha),
+                )  # fmt: skip
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
         resolution=resolution, seed=seed, exclude=ev.supported | query,

@@ -95,6 +95,15 @@ def ood_threshold(
 SHIFT_QUANTILE = 0.9
 
 
+def batch_shift(scores: np.ndarray, held_out: np.ndarray) -> float:
+    """A query batch's shift of a known type: the difference of the :data:`SHIFT_QUANTILE`
+    quantiles of the batch's cosines of the type's cells (``scores``, any shape) and of the
+    type's held-out cosines, never positive (a batch never raises a type's threshold).
+    """
+    upper = np.quantile(scores, SHIFT_QUANTILE) - np.quantile(held_out, SHIFT_QUANTILE)
+    return min(0.0, float(upper))
+
+
 def type_thresholds(
     maxcos: np.ndarray,
     predicted: np.ndarray,
@@ -145,8 +154,7 @@ def type_thresholds(
             cells = claimed & query & (domain == d)
             if cells.sum() < min_cells:
                 continue
-            upper = np.quantile(maxcos[cells], SHIFT_QUANTILE) - np.quantile(ht, SHIFT_QUANTILE)
-            delta = min(0.0, float(upper))
+            delta = batch_shift(maxcos[cells], ht)
             shift[d][t] = delta
             thr[cells] = q + delta
             # cells the shift keeps known that the in-sample threshold calls out of distribution
@@ -335,9 +343,8 @@ def fold_query_pvalues(
     """
     p = np.full(fold_cosine.shape[1], np.nan)
     mean_cos = np.full(fold_cosine.shape[1], np.nan)
-    fin = np.isfinite(fold_cosine[:, cells])
-    nets = fin.any(axis=1)  # folds whose net scored the cells
-    mean_cos[cells] = np.nanmean(np.where(fin[nets], fold_cosine[nets][:, cells], np.nan), axis=0)
+    nets = np.isfinite(fold_cosine[:, cells]).any(axis=1)  # folds whose net scored the cells
+    mean_cos[cells] = np.nanmean(fold_cosine[nets][:, cells], axis=0)
     claimed, batch = predicted[cells], domain[cells]
     known = np.isfinite(held_out)
     for t in np.unique(claimed):  # loop over known types, not cells
@@ -349,9 +356,7 @@ def fold_query_pvalues(
             rows = cells[(claimed == t) & (batch == d)]
             delta = 0.0
             if rows.size >= min_cells:
-                scores = fold_cosine[nets][:, rows]
-                upper = np.quantile(scores, SHIFT_QUANTILE) - np.quantile(ht, SHIFT_QUANTILE)
-                delta = min(0.0, float(upper))
+                delta = batch_shift(fold_cosine[nets][:, rows], ht)
             counts = CrossConformal(rows.size)
             for f in np.flatnonzero(nets):  # loop over folds
                 cal = held_out[of_type & (folds == f)]
