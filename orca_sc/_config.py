@@ -320,7 +320,13 @@ class OrcaConfig:
         head since the last check is below this, or no longer falling (two binomial standard
         errors); ``0`` trains every epoch (the paper's schedule).
     stop_check_steps
-        Optimiser steps between two such checks ...
+        Optimiser steps between two such checks, or one epoch where an epoch has more steps
+        (``stop_every_epoch``) ...
+    stop_every_epoch
+        Checks at least one epoch apart: each compares the net after a whole pass over the
+        cells with the one before, so when a phase stops does not depend on how many cells
+        carry the data (``False``, the default: every ``stop_check_steps`` steps at any size;
+        measured in docs/discovery.md, not the default: it trains longer at large sizes).
     stop_min_steps
         ... and the steps every phase runs before it may stop.
     warmup_epochs
@@ -384,6 +390,7 @@ class OrcaConfig:
     min_steps: int = 300
     stop_tolerance: float = 0.01
     stop_check_steps: int = 25
+    stop_every_epoch: bool = False
     stop_min_steps: int = 100
     warmup_epochs: int = 5
     anchor_epochs: int = 1
@@ -480,8 +487,9 @@ class OrcaConfig:
             object.__setattr__(self, "discovery", DiscoveryConfig.from_dict(self.discovery))
         if not isinstance(self.discovery, DiscoveryConfig):
             _invalid("discovery", self.discovery, "a DiscoveryConfig")
-        if not isinstance(self.majority_vote, bool):
-            _invalid("majority_vote", self.majority_vote, "True or False")
+        for name in ("majority_vote", "stop_every_epoch"):
+            if not isinstance(getattr(self, name), bool):
+                _invalid(name, getattr(self, name), "True or False")
         if not (_is_int(self.seed) and 0 <= self.seed < 2**32):
             _invalid("seed", self.seed, "an integer from 0 to 2**32 - 1")
 

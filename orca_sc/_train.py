@@ -361,15 +361,24 @@ class StopRule:
 STOP_SAMPLE = 2000
 
 
-def stop_rule(n_cells: int, config: OrcaConfig) -> StopRule | None:
+def stop_rule(n_cells: int, config: OrcaConfig, steps_per_epoch: int = 1) -> StopRule | None:
     """The :class:`StopRule` of ``config`` (``None`` with ``stop_tolerance=0``: the schedule).
-    The sample is drawn from the config's seed, the same in both phases.
+    The sample is drawn from the config's seed, the same in both phases. Its checks are
+    ``config.stop_check_steps`` steps apart, or ``steps_per_epoch`` where that is more and
+    ``config.stop_every_epoch`` holds: a check then compares the net after a pass over every
+    cell with the one a pass before, so the share of cells changing head between checks, and
+    the loss's fall, are read per pass at any number of cells (with a fixed number of steps,
+    a 100,000-cell warm-up was compared an eighth of a pass apart, stopped at 125 of 980 steps
+    with a fifth of its cells still changing head, and discovery found no novel type).
     """
     if config.stop_tolerance <= 0:
         return None
     rng = np.random.default_rng([config.seed, 0x5709])
     sample = np.sort(rng.choice(n_cells, size=min(n_cells, STOP_SAMPLE), replace=False))
-    return StopRule(sample, config.stop_tolerance, config.stop_check_steps, config.stop_min_steps)
+    every = config.stop_check_steps
+    if config.stop_every_epoch:
+        every = max(every, steps_per_epoch)
+    return StopRule(sample, config.stop_tolerance, every, config.stop_min_steps)
 
 
 def stop_state(rule: StopRule | None, data: CellMatrix, comm: Comm | None) -> StopState:
@@ -512,7 +521,7 @@ def _fit(net, loss, data, labels, epochs, plan, config, rand, comm) -> list[dict
     return fit_phase(
         net, loss, CellBatches(data, labels, plan, rand, full, comm), _adam(net, config), epochs,
         phase="open-world" if full else "warm-up",
-        stop=stop_state(stop_rule(data.shape[0], config), data, comm),
+        stop=stop_state(stop_rule(data.shape[0], config, plan.steps_per_epoch), data, comm),
         model=_distributed(net, data.device, comm),
         desc="ORCA" if full else "ORCA warm-up", progress=config.progress,
     )  # fmt: skip

@@ -46,10 +46,18 @@ def test_the_sample_is_fixed_by_the_seed_and_tolerance_zero_is_the_schedule():
     assert stop_rule(10_000, cfg.replace(stop_tolerance=0)) is None
 
 
+def test_checks_are_an_epoch_apart_where_an_epoch_has_more_steps():
+    cfg = OrcaConfig(stop_check_steps=25, stop_every_epoch=True)
+    assert stop_rule(10_000, cfg, steps_per_epoch=40).every == 40
+    assert stop_rule(10_000, cfg, steps_per_epoch=10).every == 25
+    assert stop_rule(10_000, cfg.replace(stop_every_epoch=False), steps_per_epoch=40).every == 25
+    assert stop_rule(10_000, OrcaConfig(), steps_per_epoch=40).every == 25  # the default
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("stop_tolerance", 1.5), ("stop_tolerance", -0.1), ("stop_check_steps", 0),
-     ("stop_min_steps", -1)],
+     ("stop_min_steps", -1), ("stop_every_epoch", "yes")],
 )  # fmt: skip
 def test_stopping_options_are_validated(field, value):
     with pytest.raises(orca_sc.OrcaInputError, match=field):
@@ -111,3 +119,27 @@ def test_same_seed_same_stop(separable, stopped):
     b = orca_sc.tl.annotate(separable, labels_key="lab", copy=True, **OPTS)
     assert a.uns["orca"]["training"]["phases"] == b.uns["orca"]["training"]["phases"]
     assert (a.obs["orca_label"] == b.obs["orca_label"]).all()
+
+
+def test_a_phase_of_long_epochs_is_checked_after_whole_passes(separable):
+    """Batches of 100 make 30 steps an epoch, more than the 10 steps between checks: every check
+    of every phase (warm-ups and open-world fit) falls at the end of an epoch, so the heads and
+    the loss are compared pass against pass; with ``stop_every_epoch=False`` (the default)
+    every 10 steps.
+    """
+    from orca_sc._engine import observe
+    from orca_sc.benchmark._hooks import StopTrace
+
+    def check_steps(**kw):
+        with observe(StopTrace()) as (trace,):
+            a = orca_sc.tl.annotate(
+                separable, labels_key="lab", copy=True, **{**OPTS, "batch_size": 100, **kw}
+            )
+        return a, [(r["phase"], r["step"]) for r in trace.rows]
+
+    a, checks = check_steps(stop_every_epoch=True)
+    assert checks and all(step % 30 == 0 for _, step in checks)
+    assert {p.split(":")[1] for p, _ in checks} == {"warm-up", "open-world"}
+    assert a.uns["orca"]["training"]["phases"]["open-world"]["stopped"] == "converged"
+    _, fixed = check_steps()
+    assert all(step % 10 == 0 for _, step in fixed) and any(step % 30 for _, step in fixed)
