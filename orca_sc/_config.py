@@ -497,6 +497,15 @@ class OrcaConfig:
         """JSON-able representation (tuples become lists, ``discovery`` a nested dict)."""
         return _to_dict(self)
 
+    def stop_check_interval(self, steps_per_epoch: int) -> int:
+        """Optimiser steps between two checks of the stopping rule in a phase of epochs of
+        ``steps_per_epoch`` steps (``stop_check_steps``, or an epoch where that is longer and
+        ``stop_every_epoch`` holds).
+        """
+        if self.stop_every_epoch:
+            return max(self.stop_check_steps, steps_per_epoch)
+        return self.stop_check_steps
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OrcaConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise."""

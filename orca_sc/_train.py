@@ -375,9 +375,7 @@ def stop_rule(n_cells: int, config: OrcaConfig, steps_per_epoch: int = 1) -> Sto
         return None
     rng = np.random.default_rng([config.seed, 0x5709])
     sample = np.sort(rng.choice(n_cells, size=min(n_cells, STOP_SAMPLE), replace=False))
-    every = config.stop_check_steps
-    if config.stop_every_epoch:
-        every = max(every, steps_per_epoch)
+    every = config.stop_check_interval(steps_per_epoch)
     return StopRule(sample, config.stop_tolerance, every, config.stop_min_steps)
 
 

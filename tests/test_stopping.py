@@ -140,6 +140,9 @@ def test_a_phase_of_long_epochs_is_checked_after_whole_passes(separable):
     a, checks = check_steps(stop_every_epoch=True)
     assert checks and all(step % 30 == 0 for _, step in checks)
     assert {p.split(":")[1] for p, _ in checks} == {"warm-up", "open-world"}
-    assert a.uns["orca"]["training"]["phases"]["open-world"]["stopped"] == "converged"
-    _, fixed = check_steps()
+    phases = a.uns["orca"]["training"]["phases"]
+    assert phases["open-world"]["stopped"] == "converged"
+    assert {ph["check_steps"] for ph in phases.values()} == {30}
+    b, fixed = check_steps()
+    assert {ph["check_steps"] for ph in b.uns["orca"]["training"]["phases"].values()} == {10}
     assert all(step % 10 == 0 for _, step in fixed) and any(step % 30 for _, step in fixed)
