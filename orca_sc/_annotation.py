@@ -344,7 +344,7 @@ def training_phases(history: list[dict], plan: Any, cfg: Any) -> dict[str, dict[
             "loss_fall": float(last.get("loss_fall", np.nan)),
             "loss_noise": float(last.get("loss_noise", np.nan)),
             "stop_tolerance": float(cfg.stop_tolerance),
-            "check_steps": int(cfg.stop_check_interval(plan.steps_per_epoch)),
+            "check_steps": int(cfg.stop_check_interval(plan.steps_per_epoch, name)),
         }
     return out
 

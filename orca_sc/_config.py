@@ -326,7 +326,9 @@ class OrcaConfig:
         Checks at least one epoch apart: each compares the net after a whole pass over the
         cells with the one before, so when a phase stops does not depend on how many cells
         carry the data (``False``, the default: every ``stop_check_steps`` steps at any size;
-        measured in docs/discovery.md, not the default: it trains longer at large sizes).
+        measured in docs/discovery.md, not the default: it trains longer at large sizes);
+        ``"warm-up"``: so in the warm-ups (the main one and its cross-fitted copies) alone, the
+        open-world fit checked every ``stop_check_steps`` steps.
     stop_min_steps
         ... and the steps every phase runs before it may stop.
     warmup_epochs
@@ -390,7 +392,7 @@ class OrcaConfig:
     min_steps: int = 300
     stop_tolerance: float = 0.01
     stop_check_steps: int = 25
-    stop_every_epoch: bool = False
+    stop_every_epoch: bool | str = False
     stop_min_steps: int = 100
     warmup_epochs: int = 5
     anchor_epochs: int = 1
@@ -487,9 +489,10 @@ class OrcaConfig:
             object.__setattr__(self, "discovery", DiscoveryConfig.from_dict(self.discovery))
         if not isinstance(self.discovery, DiscoveryConfig):
             _invalid("discovery", self.discovery, "a DiscoveryConfig")
-        for name in ("majority_vote", "stop_every_epoch"):
-            if not isinstance(getattr(self, name), bool):
-                _invalid(name, getattr(self, name), "True or False")
+        if not isinstance(self.majority_vote, bool):
+            _invalid("majority_vote", self.majority_vote, "True or False")
+        if not (isinstance(self.stop_every_epoch, bool) or self.stop_every_epoch == "warm-up"):
+            _invalid("stop_every_epoch", self.stop_every_epoch, 'True, False or "warm-up"')
         if not (_is_int(self.seed) and 0 <= self.seed < 2**32):
             _invalid("seed", self.seed, "an integer from 0 to 2**32 - 1")
 
@@ -497,12 +500,14 @@ class OrcaConfig:
         """JSON-able representation (tuples become lists, ``discovery`` a nested dict)."""
         return _to_dict(self)
 
-    def stop_check_interval(self, steps_per_epoch: int) -> int:
-        """Optimiser steps between two checks of the stopping rule in a phase of epochs of
-        ``steps_per_epoch`` steps (``stop_check_steps``, or an epoch where that is longer and
-        ``stop_every_epoch`` holds).
+    def stop_check_interval(self, steps_per_epoch: int, phase: str = "warm-up") -> int:
+        """Optimiser steps between two checks of the stopping rule in a ``phase``
+        (``"warm-up"`` or ``"open-world"``) of epochs of ``steps_per_epoch`` steps
+        (``stop_check_steps``, or an epoch where that is longer and ``stop_every_epoch`` holds
+        for the phase).
         """
-        if self.stop_every_epoch:
+        every = self.stop_every_epoch
+        if every is True or (every == "warm-up" and phase == "warm-up"):
             return max(self.stop_check_steps, steps_per_epoch)
         return self.stop_check_steps
 

@@ -361,21 +361,25 @@ class StopRule:
 STOP_SAMPLE = 2000
 
 
-def stop_rule(n_cells: int, config: OrcaConfig, steps_per_epoch: int = 1) -> StopRule | None:
-    """The :class:`StopRule` of ``config`` (``None`` with ``stop_tolerance=0``: the schedule).
-    The sample is drawn from the config's seed, the same in both phases. Its checks are
-    ``config.stop_check_steps`` steps apart, or ``steps_per_epoch`` where that is more and
-    ``config.stop_every_epoch`` holds: a check then compares the net after a pass over every
-    cell with the one a pass before, so the share of cells changing head between checks, and
-    the loss's fall, are read per pass at any number of cells (with a fixed number of steps,
-    a 100,000-cell warm-up was compared an eighth of a pass apart, stopped at 125 of 980 steps
-    with a fifth of its cells still changing head, and discovery found no novel type).
+def stop_rule(
+    n_cells: int, config: OrcaConfig, steps_per_epoch: int = 1, phase: str = "warm-up"
+) -> StopRule | None:
+    """The :class:`StopRule` of ``config`` in a ``phase`` (``"warm-up"`` or ``"open-world"``;
+    ``None`` with ``stop_tolerance=0``: the schedule). The sample is drawn from the config's
+    seed, the same in both phases. Its checks are ``config.stop_check_steps`` steps apart, or
+    ``steps_per_epoch`` where that is more and ``config.stop_every_epoch`` holds for the phase
+    (:meth:`~orca_sc.OrcaConfig.stop_check_interval`): a check then compares the net after a
+    pass over every cell with the one a pass before, so the share of cells changing head
+    between checks, and the loss's fall, are read per pass at any number of cells (with a
+    fixed number of steps, a 100,000-cell warm-up was compared an eighth of a pass apart,
+    stopped at 125 of 980 steps with a fifth of its cells still changing head, and discovery
+    found no novel type).
     """
     if config.stop_tolerance <= 0:
         return None
     rng = np.random.default_rng([config.seed, 0x5709])
     sample = np.sort(rng.choice(n_cells, size=min(n_cells, STOP_SAMPLE), replace=False))
-    every = config.stop_check_interval(steps_per_epoch)
+    every = config.stop_check_interval(steps_per_epoch, phase)
     return StopRule(sample, config.stop_tolerance, every, config.stop_min_steps)
 
 
@@ -516,10 +520,11 @@ def _fit(net, loss, data, labels, epochs, plan, config, rand, comm) -> list[dict
     """
     comm = comm if comm is not None and comm.active else None
     full = loss.full
+    phase = "open-world" if full else "warm-up"
+    rule = stop_rule(data.shape[0], config, plan.steps_per_epoch, phase)
     return fit_phase(
         net, loss, CellBatches(data, labels, plan, rand, full, comm), _adam(net, config), epochs,
-        phase="open-world" if full else "warm-up",
-        stop=stop_state(stop_rule(data.shape[0], config, plan.steps_per_epoch), data, comm),
+        phase=phase, stop=stop_state(rule, data, comm),
         model=_distributed(net, data.device, comm),
         desc="ORCA" if full else "ORCA warm-up", progress=config.progress,
     )  # fmt: skip

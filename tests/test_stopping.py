@@ -52,6 +52,9 @@ def test_checks_are_an_epoch_apart_where_an_epoch_has_more_steps():
     assert stop_rule(10_000, cfg, steps_per_epoch=10).every == 25
     assert stop_rule(10_000, cfg.replace(stop_every_epoch=False), steps_per_epoch=40).every == 25
     assert stop_rule(10_000, OrcaConfig(), steps_per_epoch=40).every == 25  # the default
+    warm = cfg.replace(stop_every_epoch="warm-up")  # the warm-ups a pass apart, not the fit
+    assert stop_rule(10_000, warm, steps_per_epoch=40, phase="warm-up").every == 40
+    assert stop_rule(10_000, warm, steps_per_epoch=40, phase="open-world").every == 25
 
 
 @pytest.mark.parametrize(
@@ -146,3 +149,10 @@ def test_a_phase_of_long_epochs_is_checked_after_whole_passes(separable):
     b, fixed = check_steps()
     assert {ph["check_steps"] for ph in b.uns["orca"]["training"]["phases"].values()} == {10}
     assert all(step % 10 == 0 for _, step in fixed) and any(step % 30 for _, step in fixed)
+    # "warm-up": the warm-ups (the main one and the fold copies) a pass apart, the fit not
+    c, mixed = check_steps(stop_every_epoch="warm-up")
+    phases = c.uns["orca"]["training"]["phases"]
+    assert phases["warm-up"]["check_steps"] == 30 and phases["open-world"]["check_steps"] == 10
+    warm = [step for p, step in mixed if p.endswith(":warm-up")]
+    assert warm and all(step % 30 == 0 for step in warm)
+    assert all(step % 10 == 0 for p, step in mixed if p.endswith(":open-world"))
