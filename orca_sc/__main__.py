@@ -2,4 +2,5 @@
 
 from .cli import main
 
-main(prog_name="orca-sc")
+if __name__ == "__main__":  # not when a worker process of `orca-sc benchmark --jobs` imports it
+    main(prog_name="orca-sc")

@@ -711,12 +711,21 @@ def _csv_list(value: str | None, cast=str) -> list | None:
     help="With --method ORCA alone: draw every task's split with this seed and vary only the "
     "model's seed (the same data, another seed).",
 )
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --method ORCA alone: share the runs among this many worker processes, each at "
+    "torch's thread count divided by the jobs (at least 1); the figures are those of one "
+    "process at that thread count (e.g. OMP_NUM_THREADS=1 ... --jobs 2 on 2 cores).",
+)
 @_add(_output_opts)
 @click.pass_context
 def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, reference_batches,
               seen_fraction, labeled_fraction, seen_classes, novel_classes, methods, seeds, ablation_seeds, suite,
               large, scaling, scaling_sizes, scaling_disk_sizes, scaling_only, scaling_library_size, quick,
-              only, set_pairs, task_seed, overwrite, quiet):  # fmt: skip
+              only, set_pairs, task_seed, jobs, overwrite, quiet):  # fmt: skip
     """Compare ORCA, its ablations and baselines on open-world tasks; write a report.
 
     Built-in tasks: the paper's protocol on scanpy's pbmc68k_reduced, plus the shared real
@@ -790,16 +799,17 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
         orca_alone = method_list == ["ORCA"] and (
             suite == "dev" or set_pairs or task_seed is not None
         )
-        if (set_pairs or task_seed is not None) and method_list != ["ORCA"]:
-            raise CliError("--set and --task-seed apply to ORCA alone: add --method ORCA.")
+        if (set_pairs or task_seed is not None or jobs > 1) and method_list != ["ORCA"]:
+            raise CliError("--set, --task-seed and --jobs apply to ORCA alone: add --method ORCA.")
         if orca_alone:
             overrides = _overrides(set_pairs)
             runs = B.run_orca_suite(
-                specs, seed_list, overrides, task_seed=task_seed, progress=not quiet
+                specs, seed_list, overrides, task_seed=task_seed, progress=not quiet, jobs=jobs
             )
             result = B.BenchmarkResult(runs, B.summarize_runs(runs))
             result.settings = {"version": orca_sc_version(), "seeds": seed_list,
-                               "torch_threads": torch_threads(), "overrides": overrides,
+                               "torch_threads": max(1, torch_threads() // jobs),
+                               "jobs": jobs, "overrides": overrides,
                                "task_seed": task_seed}  # fmt: skip
         else:
             abl_list = _csv_list(ablation_seeds, int) or seed_list

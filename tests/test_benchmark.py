@@ -607,6 +607,8 @@ def test_compare_and_suite_options_refuse_bad_input(tmp_path, orca_suite_run):
     out = ["--outdir", str(tmp_path / "o")]
     for args, msg in [
         (["--set", "novelty_folds=0"], "apply to ORCA alone"),
+        (["--jobs", "2"], "apply to ORCA alone"),
+        (["--method", "ORCA", "--jobs", "0"], "--jobs"),
         (["--method", "ORCA", "--set", "no_such_option=1"], "no_such_option"),
         (["--method", "ORCA", "--set", "epochs"], "is not key=value"),
         (["--suite", "dev", "--only", "no_such_task"], "no task name is or contains"),
@@ -657,6 +659,39 @@ def test_suite_runs_are_pinned_to_the_thread_count_it_started_with(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_suite_runs_in_worker_processes_give_the_rows_of_one_process():
+    """``jobs=2`` shares the runs among two fresh worker processes at one thread each: every
+    figure of every row is the one-process suite's at one thread, in the same order; the
+    caller's thread count is left as it was.
+    """
+    from functools import partial
+
+    import torch
+
+    from orca_sc.benchmark._suite import SimSetting, make_sim_task
+    from orca_sc.benchmark._tasks import TaskSpec
+
+    setting = SimSetting("jobs", n_ref=300, n_query=150, n_genes=200, n_seen=4, n_novel=2)
+    spec = TaskSpec("sim_jobs", "cross-batch", partial(make_sim_task, setting), "")
+    fast = {"epochs": 3, "warmup_epochs": 1, "min_steps": 20}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(ValueError, match="jobs"):
+            B.run_orca_suite([spec], [0], fast, progress=False, jobs=0)
+        parallel = B.run_orca_suite([spec], [0, 1, 2], fast, progress=False, jobs=2)
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        serial = B.run_orca_suite([spec], [0, 1, 2], fast, progress=False)
+    finally:
+        torch.set_num_threads(before)
+    timing = [c for c in serial.columns if c.endswith("seconds") or c == "peak_mb"]
+    assert list(parallel["seed"]) == [0, 1, 2] and set(parallel["torch_threads"]) == {1}
+    pd.testing.assert_frame_equal(parallel.drop(columns=timing), serial.drop(columns=timing))
+    # the seeds' runs differ: the comparison is of real figures, not of empty rows
+    assert parallel["threshold"].nunique() > 1
 
 
 def test_runs_count_the_clusters_each_vote_added_or_dropped():

@@ -59,33 +59,71 @@ def run_orca_suite(
     *,
     task_seed: int | None = None,
     progress: bool = True,
+    jobs: int = 1,
 ) -> pd.DataFrame:
     """ORCA with ``overrides`` on every task of ``specs`` and seed; one row per run (see the
     module). ``task_seed``: every task's split (labelled cells, hidden types, subsamples) drawn
     with that seed, only the model's seed varying: the same data, another seed.
+
+    ``jobs``: the runs shared among that many worker processes (started fresh, ``spawn``), each
+    pinned to ``max(1, threads // jobs)`` torch threads (``threads``: the count the suite
+    started with). A run's figures depend on its task, seed, overrides and thread count alone,
+    so a suite of ``jobs`` workers at one thread each gives the rows of a one-process suite at
+    one thread, in the same order; only the seconds and memory, measured while the other
+    workers run, differ.
     """
     import torch
 
-    rows, threads = [], torch.get_num_threads()  # every run at the count the suite started with
-    for spec in specs:
-        for seed in seeds:
-            task = spec.make(seed if task_seed is None else task_seed)
-            t0 = time.perf_counter()
-            pin_threads(threads)
-            with warnings.catch_warnings(), PeakMemory() as mem:
-                warnings.simplefilter("ignore")
-                q, sl = annotate_task(task, seed, **(overrides or {}))
-            row = orca_row(spec, task, seed, q, sl, time.perf_counter() - t0)
-            row["peak_mb"] = mem.peak_mb
-            row |= integration_figures(task, seed)
-            rows.append(row)
-            if progress:
-                logger.info(
-                    " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in
-                             row.items() if k not in ("kind", "method", "error"))
-                )  # fmt: skip
-    pin_threads(threads)  # the caller's count back
+    if not (isinstance(jobs, int) and jobs >= 1):
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    threads = torch.get_num_threads()  # every run at the count the suite started with
+    work = [(spec, seed) for spec in specs for seed in seeds]
+    args = (overrides or {}, task_seed)
+    rows: list[dict] = []
+    if jobs == 1 or len(work) <= 1:
+        try:
+            for spec, seed in work:
+                rows.append(_suite_run(spec, seed, *args, threads))
+                _log_row(rows[-1], progress)
+        finally:
+            pin_threads(threads)  # the caller's count back
+        return pd.DataFrame(rows)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    per_job = max(1, threads // jobs)
+    ctx = multiprocessing.get_context("spawn")  # no forked torch or OpenMP state
+    with ProcessPoolExecutor(min(jobs, len(work)), mp_context=ctx) as pool:
+        futures = [pool.submit(_suite_run, spec, seed, *args, per_job) for spec, seed in work]
+        for future in futures:  # in the order of the work: the rows of a one-process suite
+            rows.append(future.result())
+            _log_row(rows[-1], progress)
     return pd.DataFrame(rows)
+
+
+def _suite_run(
+    spec: TaskSpec, seed: int, overrides: dict[str, Any], task_seed: int | None, threads: int
+) -> dict:
+    """One run of :func:`run_orca_suite` (in its process or in a worker) at ``threads``."""
+    task = spec.make(seed if task_seed is None else task_seed)
+    t0 = time.perf_counter()
+    pin_threads(threads)
+    with warnings.catch_warnings(), PeakMemory() as mem:
+        warnings.simplefilter("ignore")
+        q, sl = annotate_task(task, seed, **overrides)
+    row = orca_row(spec, task, seed, q, sl, time.perf_counter() - t0)
+    row["peak_mb"] = mem.peak_mb
+    row |= integration_figures(task, seed)
+    row["torch_threads"] = threads
+    return row
+
+
+def _log_row(row: dict, progress: bool) -> None:
+    if progress:
+        logger.info(
+            " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in
+                     row.items() if k not in ("kind", "method", "error"))
+        )  # fmt: skip
 
 
 def orca_row(spec: TaskSpec, task, seed: int, q, rows: slice, seconds: float) -> dict:
