@@ -8,6 +8,7 @@ are complete, so an error or Ctrl-C leaves no partial output; input files are on
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -930,13 +931,16 @@ def _benchmark_outdir(outdir: str, overwrite: bool, report: str = "report.md") -
 
 def _h5ad_task(h5ad: str, labels_key: str | None, split: dict):
     """The one task of ``--h5ad``: a cross-batch split with ``--batch-key``, else the protocol;
-    the split is validated now (seed 0).
+    the split is validated now (seed 0). The task builds from the file's path (read once per
+    process), so that worker processes of ``--jobs`` can build it too.
     """
+    from functools import partial
+
     from . import benchmark as B
 
     if labels_key is None:
         raise CliError("--h5ad needs --labels-key naming the cell-type column.")
-    adata = read_h5ad(h5ad, "Benchmark")
+    adata = _benchmark_h5ad(h5ad)
     name = Path(h5ad).stem
     if split["batch_key"] is not None:
         refs = _csv_list(split["reference_batches"])
@@ -946,20 +950,36 @@ def _h5ad_task(h5ad: str, labels_key: str | None, split: dict):
             )
         kw = {"novel_classes": _csv_list(split["novel_classes"]) or ()}
         B.batch_split(adata, labels_key, split["batch_key"], refs)  # validate now
-
-        def make(s):
-            return B.batch_split(adata, labels_key, split["batch_key"], refs, seed=s,
-                                 name=f"{name}_cross_batch", **kw)  # fmt: skip
-
+        kw |= {"name": f"{name}_cross_batch"}
+        make = partial(_h5ad_split, h5ad, "batch", (labels_key, split["batch_key"], refs), kw)
         return B.TaskSpec(f"{name}_cross_batch", "cross-batch", make, h5ad)
     kw = dict(seen_fraction=split["seen_fraction"], labeled_fraction=split["labeled_fraction"],
               seen_classes=_csv_list(split["seen_classes"]))  # fmt: skip
     B.protocol_split(adata, labels_key, **kw)  # validate now
-
-    def make(s):
-        return B.protocol_split(adata, labels_key, seed=s, name=f"{name}_protocol", **kw)
-
+    kw |= {"name": f"{name}_protocol"}
+    make = partial(_h5ad_split, h5ad, "protocol", (labels_key,), kw)
     return B.TaskSpec(f"{name}_protocol", "protocol", make, h5ad)
+
+
+def _benchmark_h5ad(h5ad: str):
+    """The ``--h5ad`` file, read once per process (again where the file changed)."""
+    st = os.stat(h5ad) if os.path.exists(h5ad) else None
+    return _read_benchmark_h5ad(h5ad, st and (st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=1)
+def _read_benchmark_h5ad(h5ad: str, stamp):
+    return read_h5ad(h5ad, "Benchmark")
+
+
+def _h5ad_split(h5ad: str, kind: str, args: tuple, kw: dict, seed: int):
+    """The ``--h5ad`` task at ``seed``: :func:`~orca_sc.benchmark.batch_split` (``kind="batch"``)
+    or :func:`~orca_sc.benchmark.protocol_split` of the file.
+    """
+    from . import benchmark as B
+
+    split = B.batch_split if kind == "batch" else B.protocol_split
+    return split(_benchmark_h5ad(h5ad), *args, seed=seed, **kw)
 
 
 def _builtin_specs(

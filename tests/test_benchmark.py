@@ -694,6 +694,34 @@ def test_suite_runs_in_worker_processes_give_the_rows_of_one_process():
     assert parallel["threshold"].nunique() > 1
 
 
+def test_own_h5ad_task_runs_in_worker_processes(sim, tmp_path):
+    """``--h5ad`` with ``--jobs 2``: the workers build the task from the file and give the
+    rows of one process at the same thread count.
+    """
+    import torch
+
+    path = tmp_path / "atlas.h5ad"
+    sim.write_h5ad(path)
+    args = ["benchmark", "--h5ad", str(path), "--labels-key", "cell_type", "--batch-key",
+            "batch", "--reference-batches", "batch_0", "--novel-classes", "type_4",
+            "--method", "ORCA", "--seeds", "0,1", "--no-scaling", "-q", "--set", "epochs=3",
+            "--set", "warmup_epochs=1", "--set", "min_steps=20"]  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        runs = {}
+        for jobs in ("1", "2"):
+            out = tmp_path / f"jobs{jobs}"
+            r = CliRunner().invoke(main, [*args, "--jobs", jobs, "--outdir", str(out)])
+            assert r.exit_code == 0, (r.output, r.exception)
+            runs[jobs] = pd.read_csv(out / "runs.csv")
+    finally:
+        torch.set_num_threads(before)
+    timing = [c for c in runs["1"].columns if c.endswith("seconds") or c == "peak_mb"]
+    assert list(runs["2"]["task"]) == ["atlas_cross_batch"] * 2
+    pd.testing.assert_frame_equal(runs["2"].drop(columns=timing), runs["1"].drop(columns=timing))
+
+
 def test_runs_count_the_clusters_each_vote_added_or_dropped():
     """``query_vote_extra`` counts the query clusters taken beyond the share vote,
     ``share_vote_dropped`` those the share vote took that its test left out; a run without a
