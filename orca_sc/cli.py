@@ -717,9 +717,10 @@ def _csv_list(value: str | None, cast=str) -> list | None:
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="With --method ORCA alone: share the runs among this many worker processes, each at "
+    help="Share the runs among this many worker processes (each task and seed in one), each at "
     "torch's thread count divided by the jobs (at least 1); the figures are those of one "
-    "process at that thread count (e.g. OMP_NUM_THREADS=1 ... --jobs 2 on 2 cores).",
+    "process at that thread count (e.g. OMP_NUM_THREADS=1 ... --jobs 2 on 2 cores). The "
+    "scaling section runs in the main process, alone.",
 )
 @_add(_output_opts)
 @click.pass_context
@@ -800,8 +801,8 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
         orca_alone = method_list == ["ORCA"] and (
             suite == "dev" or set_pairs or task_seed is not None
         )
-        if (set_pairs or task_seed is not None or jobs > 1) and method_list != ["ORCA"]:
-            raise CliError("--set, --task-seed and --jobs apply to ORCA alone: add --method ORCA.")
+        if (set_pairs or task_seed is not None) and method_list != ["ORCA"]:
+            raise CliError("--set and --task-seed apply to ORCA alone: add --method ORCA.")
         if orca_alone:
             overrides = _overrides(set_pairs)
             runs = B.run_orca_suite(
@@ -815,8 +816,9 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
         else:
             abl_list = _csv_list(ablation_seeds, int) or seed_list
             result = B.run_benchmark(
-                specs, method_list, seed_list, ablation_seeds=abl_list, progress=not quiet
-            )
+                specs, method_list, seed_list, ablation_seeds=abl_list, progress=not quiet,
+                jobs=jobs,
+            )  # fmt: skip
         if scaling and (sizes or disk_sizes):
             result.scaling = B.run_scaling(
                 sizes, n_genes=500 if quick else 2000, progress=not quiet,

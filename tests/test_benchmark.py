@@ -607,7 +607,6 @@ def test_compare_and_suite_options_refuse_bad_input(tmp_path, orca_suite_run):
     out = ["--outdir", str(tmp_path / "o")]
     for args, msg in [
         (["--set", "novelty_folds=0"], "apply to ORCA alone"),
-        (["--jobs", "2"], "apply to ORCA alone"),
         (["--method", "ORCA", "--jobs", "0"], "--jobs"),
         (["--method", "ORCA", "--set", "no_such_option=1"], "no_such_option"),
         (["--method", "ORCA", "--set", "epochs"], "is not key=value"),
@@ -692,6 +691,36 @@ def test_suite_runs_in_worker_processes_give_the_rows_of_one_process():
     pd.testing.assert_frame_equal(parallel.drop(columns=timing), serial.drop(columns=timing))
     # the seeds' runs differ: the comparison is of real figures, not of empty rows
     assert parallel["threshold"].nunique() > 1
+
+
+def test_baseline_runs_in_worker_processes_give_the_rows_of_one_process():
+    """``run_benchmark(jobs=2)``: each task and seed's methods in a worker at one thread, the
+    rows those of one process at one thread, in the same order.
+    """
+    from functools import partial
+
+    import torch
+
+    from orca_sc.benchmark._suite import SimSetting, make_sim_task
+    from orca_sc.benchmark._tasks import TaskSpec
+
+    setting = SimSetting("jobs", n_ref=300, n_query=150, n_genes=200, n_seen=4, n_novel=2)
+    spec = TaskSpec("sim_jobs", "cross-batch", partial(make_sim_task, setting), "")
+    methods = ["LR + oracle reject + KMeans", "kNN transfer (ingest-like) + Leiden"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        parallel = B.run_benchmark([spec], methods, [0, 1], progress=False, jobs=2)
+        torch.set_num_threads(1)
+        serial = B.run_benchmark([spec], methods, [0, 1], progress=False)
+    finally:
+        torch.set_num_threads(before)
+    assert parallel.settings["torch_threads"] == serial.settings["torch_threads"] == 1
+    timing = ["seconds", "peak_mb"]
+    assert list(parallel.runs["method"]) == methods * 2
+    pd.testing.assert_frame_equal(
+        parallel.runs.drop(columns=timing), serial.runs.drop(columns=timing)
+    )
 
 
 def test_own_h5ad_task_runs_in_worker_processes(sim, tmp_path):

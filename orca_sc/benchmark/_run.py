@@ -125,11 +125,15 @@ def run_benchmark(
     *,
     ablation_seeds: Sequence[int] | None = None,
     progress: bool = True,
+    jobs: int = 1,
 ) -> BenchmarkResult:
     """Every method on every task and seed. A method that fails is recorded, not fatal.
 
     ``ablation_seeds`` (default: ``seeds``) are the seeds for the ablations and the
-    over-provisioned-heads runs, which cost as much as ORCA itself each.
+    over-provisioned-heads runs, which cost as much as ORCA itself each. ``jobs``: each task and
+    seed's runs in one of that many fresh worker processes (``spawn``), each pinned to
+    ``max(1, threads // jobs)`` torch threads; the rows are those of one process at that count,
+    in the same order (as :func:`orca_sc.benchmark.run_orca_suite`).
     """
     import torch
 
@@ -138,66 +142,42 @@ def run_benchmark(
     if unknown:
         msg = f"unknown methods {unknown}; available: {list(METHODS)}"
         raise ValueError(msg)
+    if not (isinstance(jobs, int) and jobs >= 1):
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     threads = torch.get_num_threads()  # every run at the count the benchmark started with
-    _warm_up()
-    rows, unavailable = [], {}
     abl = list(ablation_seeds) if ablation_seeds is not None else list(seeds)
+    plan = {name: abl if METHODS[name].family in ("ablation", "heads") else list(seeds)
+            for name in methods}  # fmt: skip
+    all_seeds = sorted({s for name in methods for s in plan[name]})
+    work = [(spec, seed) for spec in tasks for seed in all_seeds]
+    rows: list[dict] = []
+    unavailable: dict[str, str] = {}
+    if jobs == 1 or len(work) <= 1:
+        _warm_up()
+        try:
+            for spec, seed in work:
+                got, missing = _task_runs(spec, seed, methods, plan, threads, set(unavailable))
+                rows += got
+                unavailable |= missing
+                _log_runs(got, progress)
+        finally:
+            pin_threads(threads)  # the caller's count back
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-    def seeds_of(name: str) -> list[int]:
-        return abl if METHODS[name].family in ("ablation", "heads") else list(seeds)
-
-    all_seeds = sorted({s for name in methods for s in seeds_of(name)})
-    total = len(tasks) * sum(len(seeds_of(name)) for name in methods)
-    done = 0
-    for spec in tasks:
-        for seed in all_seeds:
-            task = spec.make(seed)
-            truth = task.truth
-            for name in methods:
-                m: Method = METHODS[name]
-                if name in unavailable or seed not in seeds_of(name):
-                    continue
-                done += 1
-                t0 = time.perf_counter()
-                row = {
-                    "task": spec.name,
-                    "kind": spec.kind,
-                    "method": name,
-                    "family": m.family,
-                    "seed": seed,
-                    "n_query": task.query.n_obs,
-                    "n_reference": task.reference.n_obs,
-                    "novel_true": len(task.novel),
-                }
-                try:
-                    pin_threads(threads)
-                    with PeakMemory() as mem:
-                        pred = m.run(task, seed)
-                    if isinstance(pred, tuple):  # (labels, extra columns), e.g. ORCA's estimate
-                        pred, extra = pred
-                        row.update(extra)
-                    row.update(score(truth, pred, task.seen, m.names_types))
-                    row["seconds"] = time.perf_counter() - t0
-                    row["peak_mb"] = mem.peak_mb
-                    row["error"] = ""
-                except MethodUnavailable as e:
-                    unavailable[name] = str(e)
-                    logger.warning("%s unavailable: %s", name, e)
-                    continue
-                except Exception as e:  # noqa: BLE001 - a failing method is a result, not a crash
-                    logger.warning("%s failed on %s: %s", name, spec.name, e)
-                    logger.debug(traceback.format_exc())
-                    row.update({k: np.nan for k in METRICS})
-                    row["error"] = f"{type(e).__name__}: {e}"
-                rows.append(row)
-                if progress:
-                    msg = (
-                        f"[{done}/{total}] {spec.name} seed {seed} {name}: "
-                        + " ".join(f"{k}={row.get(k, np.nan):.3f}" for k in METRICS)
-                        + f" ({row.get('seconds', np.nan):.1f} s)"
-                    )
-                    logger.info(msg)
-    pin_threads(threads)  # the caller's count back
+        per_job = max(1, threads // jobs)
+        ctx = multiprocessing.get_context("spawn")  # no forked torch or OpenMP state
+        with ProcessPoolExecutor(min(jobs, len(work)), mp_context=ctx,
+                                 initializer=_warm_up) as pool:  # fmt: skip
+            futures = [pool.submit(_task_runs, spec, seed, methods, plan, per_job, set())
+                       for spec, seed in work]  # fmt: skip
+            for future in futures:  # in the order of the work: the rows of one process
+                got, missing = future.result()
+                rows += [r for r in got if r["method"] not in unavailable]
+                unavailable |= {k: v for k, v in missing.items() if k not in unavailable}
+                _log_runs(got, progress)
+        threads = per_job
     runs = pd.DataFrame(rows)
     return BenchmarkResult(
         runs,
@@ -209,11 +189,77 @@ def run_benchmark(
             "methods": methods,
             "tasks": [t.name for t in tasks],
             "torch_threads": threads,
+            "jobs": jobs,
             "cpu": platform.processor() or platform.machine(),
             "n_cpus": os.cpu_count(),
             "version": __version__,
         },
     )
+
+
+def _task_runs(
+    spec: TaskSpec,
+    seed: int,
+    methods: Sequence[str],
+    plan: dict[str, list[int]],
+    threads: int,
+    unavailable: set[str],
+) -> tuple[list[dict], dict[str, str]]:
+    """The runs of :func:`run_benchmark` on one task and seed at ``threads`` torch threads,
+    less the methods ``unavailable``; returns the rows and the methods found unavailable.
+    """
+    task = spec.make(seed)
+    truth = task.truth
+    rows, missing = [], {}
+    for name in methods:
+        m: Method = METHODS[name]
+        if name in unavailable or name in missing or seed not in plan[name]:
+            continue
+        t0 = time.perf_counter()
+        row = {
+            "task": spec.name,
+            "kind": spec.kind,
+            "method": name,
+            "family": m.family,
+            "seed": seed,
+            "n_query": task.query.n_obs,
+            "n_reference": task.reference.n_obs,
+            "novel_true": len(task.novel),
+        }
+        try:
+            pin_threads(threads)
+            with PeakMemory() as mem:
+                pred = m.run(task, seed)
+            if isinstance(pred, tuple):  # (labels, extra columns), e.g. ORCA's estimate
+                pred, extra = pred
+                row.update(extra)
+            row.update(score(truth, pred, task.seen, m.names_types))
+            row["seconds"] = time.perf_counter() - t0
+            row["peak_mb"] = mem.peak_mb
+            row["error"] = ""
+        except MethodUnavailable as e:
+            missing[name] = str(e)
+            logger.warning("%s unavailable: %s", name, e)
+            continue
+        except Exception as e:  # noqa: BLE001 - a failing method is a result, not a crash
+            logger.warning("%s failed on %s: %s", name, spec.name, e)
+            logger.debug(traceback.format_exc())
+            row.update({k: np.nan for k in METRICS})
+            row["error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    return rows, missing
+
+
+def _log_runs(rows: list[dict], progress: bool) -> None:
+    if not progress:
+        return
+    for row in rows:
+        msg = (
+            f"{row['task']} seed {row['seed']} {row['method']}: "
+            + " ".join(f"{k}={row.get(k, np.nan):.3f}" for k in METRICS)
+            + f" ({row.get('seconds', np.nan):.1f} s)"
+        )
+        logger.info(msg)
 
 
 def _warm_up() -> None:
