@@ -810,7 +810,7 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
             )
             result = B.BenchmarkResult(runs, B.summarize_runs(runs))
             result.settings = {"version": orca_sc_version(), "seeds": seed_list,
-                               "torch_threads": max(1, torch_threads() // jobs),
+                               "torch_threads": _run_threads(runs),
                                "jobs": jobs, "overrides": overrides,
                                "task_seed": task_seed}  # fmt: skip
         else:
@@ -849,10 +849,11 @@ def orca_sc_version() -> str:
     return __version__
 
 
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
+def _run_threads(runs) -> int | None:
+    """The torch threads the suite's runs had (one count; ``None`` for no runs)."""
+    if "torch_threads" not in getattr(runs, "columns", ()) or runs.empty:
+        return None
+    return int(runs["torch_threads"].max())
 
 
 @main.command()
@@ -936,8 +937,6 @@ def _h5ad_task(h5ad: str, labels_key: str | None, split: dict):
     the split is validated now (seed 0). The task builds from the file's path (read once per
     process), so that worker processes of ``--jobs`` can build it too.
     """
-    from functools import partial
-
     from . import benchmark as B
 
     if labels_key is None:
@@ -953,13 +952,15 @@ def _h5ad_task(h5ad: str, labels_key: str | None, split: dict):
         kw = {"novel_classes": _csv_list(split["novel_classes"]) or ()}
         B.batch_split(adata, labels_key, split["batch_key"], refs)  # validate now
         kw |= {"name": f"{name}_cross_batch"}
-        make = partial(_h5ad_split, h5ad, "batch", (labels_key, split["batch_key"], refs), kw)
+        make = functools.partial(
+            _h5ad_split, h5ad, "batch", (labels_key, split["batch_key"], refs), kw
+        )
         return B.TaskSpec(f"{name}_cross_batch", "cross-batch", make, h5ad)
     kw = dict(seen_fraction=split["seen_fraction"], labeled_fraction=split["labeled_fraction"],
               seen_classes=_csv_list(split["seen_classes"]))  # fmt: skip
     B.protocol_split(adata, labels_key, **kw)  # validate now
     kw |= {"name": f"{name}_protocol"}
-    make = partial(_h5ad_split, h5ad, "protocol", (labels_key,), kw)
+    make = functools.partial(_h5ad_split, h5ad, "protocol", (labels_key,), kw)
     return B.TaskSpec(f"{name}_protocol", "protocol", make, h5ad)
 
 

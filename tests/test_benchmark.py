@@ -751,6 +751,52 @@ def test_own_h5ad_task_runs_in_worker_processes(sim, tmp_path):
     pd.testing.assert_frame_equal(runs["2"].drop(columns=timing), runs["1"].drop(columns=timing))
 
 
+def test_one_run_with_jobs_stays_in_process_at_every_thread(sim, tmp_path):
+    """``--jobs 2`` with a single run (one task, one seed): no worker is started, the run has
+    all the threads, and ``settings.json`` records the count the run had. (A process of its own
+    at two threads, so that this test's thread count leaves the other tests' figures alone.)
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "atlas.h5ad"
+    sim.write_h5ad(path)
+    out = tmp_path / "one"
+    args = ["benchmark", "--h5ad", str(path), "--labels-key", "cell_type", "--batch-key",
+            "batch", "--reference-batches", "batch_0", "--method", "ORCA", "--seeds", "0",
+            "--no-scaling", "-q", "--set", "epochs=2", "--set", "warmup_epochs=1", "--set",
+            "min_steps=10", "--jobs", "2", "--outdir", str(out)]  # fmt: skip
+    pools = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
+    env = os.environ | dict.fromkeys(pools, "2")
+    r = subprocess.run([sys.executable, "-m", "orca_sc", *args], env=env, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = pd.read_csv(out / "runs.csv")
+    settings = json.loads((out / "settings.json").read_text())
+    assert list(runs["torch_threads"]) == [2]
+    assert settings["torch_threads"] == 2 and settings["jobs"] == 2
+
+
+def test_map_runs_keeps_the_order_and_refuses_bad_jobs():
+    from orca_sc.benchmark._run import map_runs, worker_threads
+
+    assert worker_threads(8, 2, 5) == 4 and worker_threads(8, 2, 1) == 8
+    assert worker_threads(1, 4, 9) == 1 and worker_threads(8, 1, 9) == 8
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="jobs must be a positive integer"):
+            list(map_runs(divmod, [(7,)], bad, 2))
+    # in one process (at the caller's thread count, which it sets back): divmod(a, threads)
+    import torch
+
+    n = torch.get_num_threads()
+    assert list(map_runs(divmod, [(7,), (9,)], 1, n)) == [divmod(7, n), divmod(9, n)]
+    assert torch.get_num_threads() == n
+    # in two workers at 4 // 2 threads each, in the order of the work
+    assert list(map_runs(divmod, [(7,), (9,), (11,)], 2, 4)) == [(3, 1), (4, 1), (5, 1)]
+
+
 def test_runs_count_the_clusters_each_vote_added_or_dropped():
     """``query_vote_extra`` counts the query clusters taken beyond the share vote,
     ``share_vote_dropped`` those the share vote took that its test left out; a run without a

@@ -23,7 +23,7 @@ import pandas as pd
 
 from ._integration import integration_figures
 from ._methods import annotate_task, confidence_figures, novelty_test_shares
-from ._run import PeakMemory, pin_threads, score
+from ._run import PeakMemory, map_runs, pin_threads, score
 from ._scaling import training_columns
 from ._tasks import TaskSpec
 
@@ -74,30 +74,12 @@ def run_orca_suite(
     """
     import torch
 
-    if not (isinstance(jobs, int) and jobs >= 1):
-        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     threads = torch.get_num_threads()  # every run at the count the suite started with
-    work = [(spec, seed) for spec in specs for seed in seeds]
-    args = (overrides or {}, task_seed)
+    work = [(spec, seed, overrides or {}, task_seed) for spec in specs for seed in seeds]
     rows: list[dict] = []
-    if jobs == 1 or len(work) <= 1:
-        try:
-            for spec, seed in work:
-                rows.append(_suite_run(spec, seed, *args, threads))
-                _log_row(rows[-1], progress)
-        finally:
-            pin_threads(threads)  # the caller's count back
-        return pd.DataFrame(rows)
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    per_job = max(1, threads // jobs)
-    ctx = multiprocessing.get_context("spawn")  # no forked torch or OpenMP state
-    with ProcessPoolExecutor(min(jobs, len(work)), mp_context=ctx) as pool:
-        futures = [pool.submit(_suite_run, spec, seed, *args, per_job) for spec, seed in work]
-        for future in futures:  # in the order of the work: the rows of a one-process suite
-            rows.append(future.result())
-            _log_row(rows[-1], progress)
+    for row in map_runs(_suite_run, work, jobs, threads):
+        rows.append(row)
+        _log_row(row, progress)
     return pd.DataFrame(rows)
 
 

@@ -8,7 +8,7 @@ import platform
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,56 @@ def pin_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
+
+
+def check_jobs(jobs: object) -> None:
+    """``jobs`` of a benchmark: a positive integer, else ``ValueError``."""
+    if not (isinstance(jobs, int) and not isinstance(jobs, bool) and jobs >= 1):
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+
+
+def worker_threads(threads: int, jobs: int, n_work: int) -> int:
+    """The torch threads each run gets in :func:`map_runs`: all ``threads`` in one process
+    (``jobs == 1`` or at most one run), else ``max(1, threads // jobs)`` per worker.
+    """
+    return threads if jobs == 1 or n_work <= 1 else max(1, threads // jobs)
+
+
+def map_runs(
+    fn: Callable[..., Any],
+    work: Sequence[tuple],
+    jobs: int,
+    threads: int,
+    *,
+    initializer: Callable[[], None] | None = None,
+) -> Iterator[Any]:
+    """``fn(*args, n_threads)`` for each ``args`` of ``work``, yielded in the order of ``work``.
+
+    In this process when :func:`worker_threads` says so (torch's thread count set back to
+    ``threads`` afterwards), else in ``min(jobs, len(work))`` fresh worker processes
+    (``spawn``: no forked torch or OpenMP state) that each run ``initializer`` once. ``fn`` must
+    be importable (a module-level function) and its result picklable.
+    """
+    check_jobs(jobs)
+    per_run = worker_threads(threads, jobs, len(work))
+    if jobs == 1 or len(work) <= 1:
+        if initializer is not None:
+            initializer()
+        try:
+            for args in work:
+                yield fn(*args, per_run)
+        finally:
+            pin_threads(threads)  # the caller's count back
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(jobs, len(work)), mp_context=ctx,
+                             initializer=initializer) as pool:  # fmt: skip
+        futures = [pool.submit(fn, *args, per_run) for args in work]
+        for future in futures:  # in the order of the work: the rows of one process
+            yield future.result()
 
 
 class PeakMemory:
@@ -142,42 +192,19 @@ def run_benchmark(
     if unknown:
         msg = f"unknown methods {unknown}; available: {list(METHODS)}"
         raise ValueError(msg)
-    if not (isinstance(jobs, int) and jobs >= 1):
-        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    check_jobs(jobs)
     threads = torch.get_num_threads()  # every run at the count the benchmark started with
     abl = list(ablation_seeds) if ablation_seeds is not None else list(seeds)
     plan = {name: abl if METHODS[name].family in ("ablation", "heads") else list(seeds)
             for name in methods}  # fmt: skip
     all_seeds = sorted({s for name in methods for s in plan[name]})
-    work = [(spec, seed) for spec in tasks for seed in all_seeds]
+    work = [(spec, seed, methods, plan) for spec in tasks for seed in all_seeds]
     rows: list[dict] = []
     unavailable: dict[str, str] = {}
-    if jobs == 1 or len(work) <= 1:
-        _warm_up()
-        try:
-            for spec, seed in work:
-                got, missing = _task_runs(spec, seed, methods, plan, threads, set(unavailable))
-                rows += got
-                unavailable |= missing
-                _log_runs(got, progress)
-        finally:
-            pin_threads(threads)  # the caller's count back
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        per_job = max(1, threads // jobs)
-        ctx = multiprocessing.get_context("spawn")  # no forked torch or OpenMP state
-        with ProcessPoolExecutor(min(jobs, len(work)), mp_context=ctx,
-                                 initializer=_warm_up) as pool:  # fmt: skip
-            futures = [pool.submit(_task_runs, spec, seed, methods, plan, per_job, set())
-                       for spec, seed in work]  # fmt: skip
-            for future in futures:  # in the order of the work: the rows of one process
-                got, missing = future.result()
-                rows += [r for r in got if r["method"] not in unavailable]
-                unavailable |= {k: v for k, v in missing.items() if k not in unavailable}
-                _log_runs(got, progress)
-        threads = per_job
+    for got, missing in map_runs(_task_runs, work, jobs, threads, initializer=_warm_up):
+        rows += [r for r in got if r["method"] not in unavailable]
+        unavailable |= {k: v for k, v in missing.items() if k not in unavailable}
+        _log_runs(got, progress)
     runs = pd.DataFrame(rows)
     return BenchmarkResult(
         runs,
@@ -188,7 +215,7 @@ def run_benchmark(
             "ablation_seeds": abl,
             "methods": methods,
             "tasks": [t.name for t in tasks],
-            "torch_threads": threads,
+            "torch_threads": worker_threads(threads, jobs, len(work)),
             "jobs": jobs,
             "cpu": platform.processor() or platform.machine(),
             "n_cpus": os.cpu_count(),
@@ -203,17 +230,16 @@ def _task_runs(
     methods: Sequence[str],
     plan: dict[str, list[int]],
     threads: int,
-    unavailable: set[str],
 ) -> tuple[list[dict], dict[str, str]]:
-    """The runs of :func:`run_benchmark` on one task and seed at ``threads`` torch threads,
-    less the methods ``unavailable``; returns the rows and the methods found unavailable.
+    """The runs of :func:`run_benchmark` on one task and seed at ``threads`` torch threads;
+    returns the rows and the methods found unavailable (their rows left out).
     """
     task = spec.make(seed)
     truth = task.truth
     rows, missing = [], {}
     for name in methods:
         m: Method = METHODS[name]
-        if name in unavailable or name in missing or seed not in plan[name]:
+        if name in missing or seed not in plan[name]:
             continue
         t0 = time.perf_counter()
         row = {
