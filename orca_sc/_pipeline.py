@@ -39,7 +39,7 @@ from ._discover import (
     size_check,
     subsample_rows,
 )
-from ._discover.compute import kneighbors, on_device
+from ._discover.compute import kneighbors, neighbours_once, on_device
 from ._dist import Comm, init_from_env, rank_device
 from ._engine import stage
 from ._integrate import integrated_space
@@ -336,7 +336,8 @@ def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> 
     together (:mod:`orca_sc._dist`); every rank returns the same result.
     """
     run = run_context(adata, reference, labels_key, cfg)
-    with on_device(run.cells.device):  # on a GPU, discovery's PCAs and neighbour searches too
+    # on a GPU, discovery's PCAs and neighbour searches too; each search of a set of points once
+    with on_device(run.cells.device), neighbours_once():
         return _fit(run)
 
 

@@ -960,12 +960,16 @@ def test_aligned_rows_are_the_affine_transform_of_each_batch_and_leave_x_alone()
     before = X.copy()
     domain = rng.integers(0, 3, 300)
     rows = rng.choice(300, 80, replace=False)
-    dense = X[rows].toarray()
     ones, zeros = np.ones((3, 50), np.float32), np.zeros((3, 50), np.float32)
     scale = rng.uniform(0.5, 2, (3, 50)).astype(np.float32)
     offset = rng.normal(size=(3, 50)).astype(np.float32)
-    for s, o in ((ones, zeros), (ones, offset), (scale, zeros), (scale, offset)):
-        got = aligned_rows(X, domain, s, o, rows)
-        assert got.dtype == np.float32
-        np.testing.assert_array_equal(got, dense * s[domain[rows]] + o[domain[rows]])
+    # rows of alternating batches (one index), of runs of one batch (broadcast per run; inputs
+    # concatenated batch by batch) and none
+    runs = np.sort(domain)
+    for d, r in ((domain, rows), (runs, rows), (runs, np.sort(rows)), (domain, rows[:0])):
+        dense = X[r].toarray()
+        for s, o in ((ones, zeros), (ones, offset), (scale, zeros), (scale, offset)):
+            got = aligned_rows(X, d, s, o, r)
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, dense * s[d[r]] + o[d[r]])
     assert (X != before).nnz == 0

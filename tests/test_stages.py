@@ -639,6 +639,36 @@ def test_discovery_on_a_device_finds_the_neighbours_and_components_of_the_cpu_pa
         assert min(corr) > 0.999, corr
 
 
+def test_a_set_of_points_is_searched_once_per_neighbour_count_within_a_run(monkeypatch):
+    """Inside ``neighbours_once`` (a run's duration) the neighbours of a set of points among
+    themselves are searched once per count and the same answer comes back (a copy: a caller's
+    write does not reach the next one); a search with queries, other points or another count is
+    its own; outside it every call searches.
+    """
+    from orca_sc._discover import compute
+
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(800, 10)).astype(np.float32)
+    other = emb + np.float32(1e-3) * rng.normal(size=emb.shape).astype(np.float32)
+    searched = []
+    real = compute._kneighbors
+    monkeypatch.setattr(
+        compute, "_kneighbors", lambda e, k, q: searched.append(k) or real(e, k, q)
+    )
+    fresh = compute.kneighbors(emb, 15)
+    with compute.neighbours_once():
+        first = compute.kneighbors(emb, 15)
+        first[:] = -1  # the caller's copy
+        again = compute.kneighbors(emb.copy(), 15)
+        compute.kneighbors(emb, 20)
+        compute.kneighbors(other, 15)
+        compute.kneighbors(emb, 15, emb[:50])
+        compute.kneighbors(emb, 15, emb[:50])
+    compute.kneighbors(emb, 15)
+    np.testing.assert_array_equal(again, fresh)
+    assert searched == [15, 15, 20, 15, 15, 15, 15]
+
+
 def test_a_run_with_discovery_on_a_device_finds_the_novel_types(small_sim):
     """A whole run with discovery's arithmetic on the torch path (forced on the CPU, as on a
     GPU) finds both novel types of the small simulation, as the CPU path does.

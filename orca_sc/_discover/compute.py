@@ -11,6 +11,7 @@ order, so a GPU run's labels can differ from a CPU run's as its training already
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -19,6 +20,8 @@ from typing import Any
 import numpy as np
 
 _DEVICE: ContextVar[Any] = ContextVar("orca_sc_discovery_device", default=None)
+#: the neighbours found so far in a run (:func:`neighbours_once`), by set of points and count
+_FOUND: ContextVar[dict | None] = ContextVar("orca_sc_discovery_neighbours", default=None)
 
 #: squared distances computed at once by :func:`kneighbors` on a device (256 MiB of float32)
 _BLOCK_VALUES = 1 << 26
@@ -40,6 +43,20 @@ def on_device(device: Any, *, force: bool = False) -> Iterator[None]:
         _DEVICE.reset(token)
 
 
+@contextmanager
+def neighbours_once() -> Iterator[None]:
+    """For the duration, :func:`kneighbors` of a set of points among themselves is searched once
+    per number of neighbours and returned again when asked again (discovery reads one PCA's
+    graph in several tests: at 100,000 cells the same 17,832 x 15 search ran twice, 0.8 s each
+    on 2 CPU threads). The search is exact and deterministic, so the answer is the same.
+    """
+    token = _FOUND.set({})
+    try:
+        yield
+    finally:
+        _FOUND.reset(token)
+
+
 def device() -> Any:
     """The torch device discovery computes on, or ``None`` (NumPy and scikit-learn)."""
     return _DEVICE.get()
@@ -50,6 +67,17 @@ def kneighbors(emb: np.ndarray, k: int, queries: np.ndarray | None = None) -> np
     row of ``queries``; without ``queries``, to each row of ``emb``, itself left out (as
     scikit-learn's ``kneighbors()`` without ``X``).
     """
+    found = _FOUND.get()
+    if found is not None and queries is None:
+        emb = np.ascontiguousarray(emb)
+        key = (emb.shape, emb.dtype.str, int(k), hashlib.sha1(emb.view(np.uint8)).digest())
+        if key not in found:
+            found[key] = _kneighbors(emb, k, None)
+        return found[key].copy()
+    return _kneighbors(emb, k, queries)
+
+
+def _kneighbors(emb: np.ndarray, k: int, queries: np.ndarray | None) -> np.ndarray:
     dev = device()
     if dev is None:
         from sklearn.neighbors import NearestNeighbors
