@@ -68,7 +68,8 @@ def model_card(fit: Any, novel_sizes: dict[str, int], labels_key: str) -> dict[s
     accuracy: dict[str, Any] = {}
     pred = fit.fold_predictions
     if pred is not None:
-        y = data.labels[lab]
+        y = data.labels[pred.fold >= 0]  # the labelled cells a fold's net was scored on
+        scored = np.bincount(y, minlength=len(data.classes))
         right = np.bincount(y, pred.held_correct.astype(np.float64), minlength=len(data.classes))
         accuracy = {
             "how": (
@@ -77,7 +78,7 @@ def model_card(fit: Any, novel_sizes: dict[str, int], labels_key: str) -> dict[s
             ),
             "overall": float(np.mean(pred.held_correct)),
             "per_type": {
-                c: float(right[i] / per_type[i]) if per_type[i] else None
+                c: float(right[i] / scored[i]) if scored[i] else None
                 for i, c in enumerate(data.classes)
             },
         }

@@ -59,6 +59,8 @@ class DiscoveryConfig:
         Principal components of the aligned expression behind those graphs.
     max_cells
         At most this many cells (a random subset) are clustered.
+    discovery_cells
+        Above this many cells, the warm-ups and discovery (threshold, candidates, votes) run on a random sample of this many cells, so that their calls are those of data of that size; the open-world fit, inference and the novelty test's p-values use every cell (``None``: every cell).
     support_fraction
         An unlabelled cell with this share of the expected labelled neighbours is of a known type ...
     support_min
@@ -126,6 +128,7 @@ class DiscoveryConfig:
     n_neighbors: int = 15
     n_pcs: int = 30
     max_cells: int = 50_000
+    discovery_cells: int | None = 20_000
     support_fraction: float = 0.5
     support_min: int = 2
     desert_alpha: float = 0.01
@@ -183,6 +186,9 @@ class DiscoveryConfig:
         for name in ("calibration_cells", "calibration_max_cells", "max_cells", "min_novel_cells"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 _invalid(name, getattr(self, name), "a positive integer")
+        cap = self.discovery_cells
+        if cap is not None and (not _is_int(cap) or cap < 1000):
+            _invalid("discovery_cells", cap, "None or an integer >= 1000")
         for name in ("n_neighbors", "n_pcs"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 2:
                 _invalid(name, getattr(self, name), "an integer >= 2")

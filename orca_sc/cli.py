@@ -306,6 +306,15 @@ def _add(options):
     "in uns 'orca' 'estimate' 'integration').",
 )
 @click.option(
+    "--discovery-cells",
+    default=20_000,
+    show_default=True,
+    type=int,
+    help="Above this many cells the warm-ups and discovery run on a random sample of this many, "
+    "so that novel types are called as on data of that size (0: on every cell; recorded in "
+    "uns 'orca' 'estimate' 'sample').",
+)
+@click.option(
     "--use-rep",
     default=None,
     metavar="KEY",
@@ -323,8 +332,8 @@ def _add(options):
 @click.pass_context
 def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer, batch_key,
              unlabeled_category, epochs, warmup_epochs, min_steps, batch_size, lr, device, seed, save_model, self_check,
-             novelty_alpha, novelty_folds, integration, pca_input, use_rep, majority_vote, truth_key, report, on_disk,
-             overwrite, quiet):  # fmt: skip
+             novelty_alpha, novelty_folds, integration, pca_input, discovery_cells, use_rep, majority_vote, truth_key,
+             report, on_disk, overwrite, quiet):  # fmt: skip
     """Annotate QUERY.h5ad (one or several) with the cell types of REF.h5ad, discovering
     novel types.
 
@@ -349,6 +358,11 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
     quiet = quiet or not rank0
     with reported_by_rank0(), errors(ctx), cli_logging(quiet, silent=not rank0):
         n_novel_v = _parse_n_novel(n_novel)
+        if discovery_cells < 0 or 0 < discovery_cells < 1000:
+            raise CliError(
+                f"--discovery-cells must be 0 (every cell) or at least 1000 cells, got "
+                f"{discovery_cells}."
+            )
         if n_genes < 0:
             raise CliError(
                 f"--n-genes must be a non-negative integer (0: all shared genes), got {n_genes}."
@@ -377,6 +391,7 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
             novelty_folds=novelty_folds,
             integration=integration,
             pca_input=pca_input,
+            discovery_cells=discovery_cells or None,
             use_rep=use_rep,
             majority_vote=majority_vote,
         )

@@ -348,6 +348,11 @@ def test_bad_files_and_keys(files, tmp_path):
             f"--n-novel must be a non-negative integer or 'auto', got '{bad}'",
         )
     check(_annotate_args(ref, query, tmp_path, "--epochs", "0"), "Invalid --epochs 0")
+    for bad in ("-5", "500"):
+        check(
+            _annotate_args(ref, query, tmp_path, "--discovery-cells", bad),
+            f"--discovery-cells must be 0 (every cell) or at least 1000 cells, got {bad}",
+        )
     check(_annotate_args(ref, query, tmp_path, "--epochs", "x"), "'x' is not a valid integer")
     if not torch.cuda.is_available():
         check(_annotate_args(ref, query, tmp_path, "--device", "cuda"), "no CUDA GPU")

@@ -681,6 +681,8 @@ def test_every_config_field_is_validated(field, value):
         ("query_vote_cells", 10),
         ("query_vote_cells", 2500.0),
         ("query_scores", "fold"),
+        ("discovery_cells", 500),
+        ("discovery_cells", 2e4),
     ],
 )
 def test_every_discovery_field_is_validated(field, value):

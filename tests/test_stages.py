@@ -189,6 +189,35 @@ def test_size_check_of_a_run_leaves_its_labels_alone(small_sim, monkeypatch):
     assert summary["notes"] == list(checked.uns["orca"]["estimate"]["notes"])
 
 
+def test_discovery_on_a_sample_of_fixed_size_finds_the_novel_types_of_every_cell(tmp_path):
+    """Above ``discovery_cells`` cells the warm-ups and discovery run on a random sample of that
+    size (recorded with the whole's size) and the run goes on over every cell: each query cell is
+    labelled and has a novelty p-value, both novel types are found, the labelled cells outside
+    the sample have no cross-fitted prediction (the card's accuracy reads the sampled ones).
+    """
+    a = orca_sc.datasets.simulate(2400, 300, 5, n_batches=2, markers_per_type=30,
+                                  marker_fold=5.0, seed=4)  # fmt: skip
+    types = a.obs["cell_type"].astype(str)
+    ref = a[(a.obs["batch"] == "batch_0") & types.isin(["type_0", "type_1", "type_2"])].copy()
+    query = a[a.obs["batch"] == "batch_1"].copy()
+    q = query.copy()
+    orca_sc.tl.annotate(q, ref, labels_key="cell_type", seed=0, discovery_cells=1000,
+                        save_model=str(tmp_path / "model.pt"), **FAST)  # fmt: skip
+    n_all = ref.n_obs + query.n_obs
+    assert q.uns["orca"]["estimate"]["sample"] == {"cells": 1000, "of": n_all}
+    assert np.isfinite(q.obs["orca_novelty_pvalue"]).all()
+    truth = q.obs["cell_type"].astype(str).to_numpy()
+    novel_true = np.isin(truth, ["type_3", "type_4"])
+    called = q.obs["orca_novel"].notna().to_numpy()
+    assert called[novel_true].mean() > 0.9 and called[~novel_true].mean() < 0.05
+    found = called & novel_true  # each novel type in a cluster of its own
+    clusters = pd.crosstab(truth[found], q.obs["orca_novel"].astype(str).to_numpy()[found])
+    assert clusters.shape[0] == 2 and len(set(clusters.to_numpy().argmax(axis=1))) == 2
+    accuracy = OrcaModel.load(tmp_path / "model.pt").card["accuracy"]
+    assert accuracy["per_type"] and all(v is not None for v in accuracy["per_type"].values())
+    assert len(q.uns["orca"]["training"]["phases"])  # the sampled warm-up is recorded
+
+
 def test_the_pca_of_all_cells_is_computed_once(small_sim, monkeypatch):
     """Discovery and the pair partners both read the PCA of all cells: one computation, the
     same array, and the labels of a run that computes it twice.
