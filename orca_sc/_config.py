@@ -22,6 +22,10 @@ PairSpace = Literal["both", "query_pca", "pca", "embedding"]
 HEAD_SCALE: float = 10.0
 
 
+#: the smallest sample the warm-ups and discovery may run on (``discovery_cells``)
+MIN_DISCOVERY_CELLS = 1000
+
+
 @dataclass(frozen=True)
 class DiscoveryConfig:
     """Every rule of the ``discover`` stage (:mod:`orca_sc._discover`): which unlabelled cells
@@ -187,8 +191,8 @@ class DiscoveryConfig:
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 _invalid(name, getattr(self, name), "a positive integer")
         cap = self.discovery_cells
-        if cap is not None and (not _is_int(cap) or cap < 1000):
-            _invalid("discovery_cells", cap, "None or an integer >= 1000")
+        if cap is not None and (not _is_int(cap) or cap < MIN_DISCOVERY_CELLS):
+            _invalid("discovery_cells", cap, f"None or an integer >= {MIN_DISCOVERY_CELLS}")
         for name in ("n_neighbors", "n_pcs"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 2:
                 _invalid(name, getattr(self, name), "an integer >= 2")

@@ -537,11 +537,12 @@ def sample_discovery(run: RunContext, held: np.ndarray, sample: np.ndarray) -> D
     alone: their own schedule, random streams and PCA, the labels less the ``held`` cells (one
     process; no progress bar).
     """
-    data, cfg, t = run.data, run.config.replace(progress=False), run.transform
-    cells = CellMatrix(data.X[sample], data.domain[sample], t.scale, t.offset, run.cells.device)
+    data, cfg = run.data, run.config.replace(progress=False)
+    sub = sample_context(run, sample)  # its rows of the training matrix and its schedule
+    cells = sub.cells
     labels = np.where(held, -1, data.labels)[sample]
     rand = TrainRandom(cfg.seed + 400, cells.device)
-    net, _ = fit_warmup(cells, labels, run.n_seen, cfg, schedule(sample.size, cfg), rand)
+    net, _ = fit_warmup(cells, labels, run.n_seen, cfg, sub.plan, rand)
     emb, similarity = seen_similarity(net, cells, np.arange(sample.size))
     dc = cfg.discovery
     pca_of, _ = run.discovery_space(sample, data.domain[sample])

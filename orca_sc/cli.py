@@ -351,17 +351,17 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
       orca-sc annotate ref.h5ad query.h5ad --labels-key cell_type -o out.h5ad \\
           --n-novel 3 --save-model model.pt --truth-key true_type --report report.json
     """
-    from ._config import DEFAULT, resolve_config
+    from ._config import DEFAULT, MIN_DISCOVERY_CELLS, resolve_config
     from .tl import annotate as tl_annotate
 
     rank0 = rank() == 0  # under torchrun, rank 0 logs and writes
     quiet = quiet or not rank0
     with reported_by_rank0(), errors(ctx), cli_logging(quiet, silent=not rank0):
         n_novel_v = _parse_n_novel(n_novel)
-        if discovery_cells < 0 or 0 < discovery_cells < 1000:
+        if discovery_cells < 0 or 0 < discovery_cells < MIN_DISCOVERY_CELLS:
             raise CliError(
-                f"--discovery-cells must be 0 (every cell) or at least 1000 cells, got "
-                f"{discovery_cells}."
+                f"--discovery-cells must be 0 (every cell) or at least {MIN_DISCOVERY_CELLS} "
+                f"cells, got {discovery_cells}."
             )
         if n_genes < 0:
             raise CliError(
