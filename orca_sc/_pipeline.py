@@ -173,8 +173,7 @@ class RunContext:
         """
         if self._pca_input:
             return self._pca_input[0]
-        asked, totals = self.config.discovery.pca_input, self.data.totals
-        counts = totals is not None and totals.size > 0 and bool(np.isfinite(totals).all())
+        asked, counts = self.config.discovery.pca_input, self.has_counts
         record: dict[str, Any] = {"pca_input": "log" if asked == "log" or not counts else asked}
         if asked != "log" and not counts:
             record["reason"] = "not every input held counts"
@@ -182,6 +181,12 @@ class RunContext:
             record = choose_pca_input(self, self.residuals_fit())
         self._pca_input.append(record)
         return record
+
+    @property
+    def has_counts(self) -> bool:
+        """Whether every cell's total counts were recorded while reading (counts input)."""
+        totals = self.data.totals
+        return totals is not None and totals.size > 0 and bool(np.isfinite(totals).all())
 
     def residuals_fit(self) -> PearsonResiduals:
         """The Pearson residuals' depths and gene shares of all cells, fitted once."""
@@ -421,7 +426,8 @@ def discovery_sample(run: RunContext) -> np.ndarray | None:
 def sample_context(run: RunContext, sample: np.ndarray) -> RunContext:
     """The run's context on the cells ``sample`` alone: their rows of the data and training
     matrix, their own schedule, random streams (the run's seed) and PCA; same alignment,
-    configuration and processes.
+    configuration, processes and choice of what the PCA reads (``pca_input``, decided once, on
+    whichever cells ask first: the sample's, where discovery runs on one).
     """
     d, t, cfg = run.data, run.transform, run.config
     data = replace(
@@ -432,7 +438,13 @@ def sample_context(run: RunContext, sample: np.ndarray) -> RunContext:
     )  # fmt: skip
     cells = CellMatrix(data.X, data.domain, t.scale, t.offset, run.cells.device)
     rand = TrainRandom(cfg.seed, cells.device)
-    return RunContext(data, t, cells, cfg, schedule(sample.size, cfg), rand, run.comm)
+    sub = RunContext(data, t, cells, cfg, schedule(sample.size, cfg), rand, run.comm)
+    if not run.has_counts:  # some input is not counts anywhere in the data: no test to run
+        run.pca_input_record()
+    # one choice of what the PCA reads per run, made on the sample where discovery runs: the
+    # pair partners of all cells then read what discovery read (and the test is not repeated)
+    object.__setattr__(sub, "_pca_input", run._pca_input)
+    return sub
 
 
 def on_all_cells(

@@ -189,12 +189,32 @@ def test_size_check_of_a_run_leaves_its_labels_alone(small_sim, monkeypatch):
     assert summary["notes"] == list(checked.uns["orca"]["estimate"]["notes"])
 
 
-def test_discovery_on_a_sample_of_fixed_size_finds_the_novel_types_of_every_cell(tmp_path):
+def test_discovery_on_a_sample_of_fixed_size_finds_the_novel_types_of_every_cell(
+    tmp_path, monkeypatch
+):
     """Above ``discovery_cells`` cells the warm-ups and discovery run on a random sample of that
     size (recorded with the whole's size) and the run goes on over every cell: each query cell is
     labelled and has a novelty p-value, both novel types are found, the labelled cells outside
     the sample have no cross-fitted prediction (the card's accuracy reads the sampled ones).
+    What the PCA reads (log values or Pearson residuals) is chosen once, on the sample, and the
+    pair partners of every cell read what discovery read.
     """
+    import orca_sc._pipeline as pipe
+
+    calls, read = [], []
+    real_choose, real_residuals = pipe.choose_pca_input, pipe.RunContext.residuals
+
+    def choose(run, residuals):
+        calls.append(run.data.n_cells)
+        return real_choose(run, residuals)
+
+    def residuals(self):
+        out = real_residuals(self)
+        read.append((self.data.n_cells, out is None))
+        return out
+
+    monkeypatch.setattr(pipe, "choose_pca_input", choose)
+    monkeypatch.setattr(pipe.RunContext, "residuals", residuals)
     a = orca_sc.datasets.simulate(2400, 300, 5, n_batches=2, markers_per_type=30,
                                   marker_fold=5.0, seed=4)  # fmt: skip
     types = a.obs["cell_type"].astype(str)
@@ -205,6 +225,9 @@ def test_discovery_on_a_sample_of_fixed_size_finds_the_novel_types_of_every_cell
                         save_model=str(tmp_path / "model.pt"), **FAST)  # fmt: skip
     n_all = ref.n_obs + query.n_obs
     assert q.uns["orca"]["estimate"]["sample"] == {"cells": 1000, "of": n_all}
+    assert calls == [1000]  # on the sample, not again on all the cells
+    assert {n for n, _ in read} == {1000, n_all}  # discovery's PCA and the pair partners' ...
+    assert len({log for _, log in read}) == 1  # ... read the same input
     assert np.isfinite(q.obs["orca_novelty_pvalue"]).all()
     truth = q.obs["cell_type"].astype(str).to_numpy()
     novel_true = np.isin(truth, ["type_3", "type_4"])
