@@ -557,7 +557,7 @@ def sample_discovery(run: RunContext, held: np.ndarray, sample: np.ndarray) -> D
     net, _ = fit_warmup(cells, labels, run.n_seen, cfg, sub.plan, rand)
     emb, similarity = seen_similarity(net, cells, np.arange(sample.size))
     dc = cfg.discovery
-    pca_of, _ = run.discovery_space(sample, data.domain[sample])
+    pca_of, _ = sub.discovery_space(np.arange(sample.size), data.domain[sample])
     cells = DiscoveryInput(
         emb, similarity, labels, data.domain[sample], pca_of,
         calibration=held[sample], domain_names=[*data.domain_names, "self-check"],

@@ -170,8 +170,8 @@ def test_trainer_runs_on_arrays_and_knows_nothing_of_tl():
 
 def test_size_check_of_a_run_leaves_its_labels_alone(small_sim, monkeypatch):
     """With the check's sample below half the cells, a run records what discovery found on the
-    sample (``estimate['size_check']``) and labels every cell as the run without it does; the
-    summary carries discovery's notes.
+    sample (``estimate['size_check']``, from the sample's own PCA) and labels every cell as the
+    run without it does; the summary carries discovery's notes.
     """
     import orca_sc._discover.scale as sc_mod
 
@@ -179,8 +179,18 @@ def test_size_check_of_a_run_leaves_its_labels_alone(small_sim, monkeypatch):
     orca_sc.tl.annotate(plain, labels_key="lab", seed=0, **FAST, **LABELS_ONLY)
     assert "size_check" not in plain.uns["orca"]["estimate"]  # 500 cells: no check
     monkeypatch.setattr(sc_mod, "SAMPLE_CELLS", 150)
+    import orca_sc._pipeline as pipe
+
+    matrices, real_embedding = [], pipe.pca_embedding
+
+    def embedding(X, *args, **kw):
+        matrices.append(X.shape[0])
+        return real_embedding(X, *args, **kw)
+
+    monkeypatch.setattr(pipe, "pca_embedding", embedding)
     checked = small_sim.copy()
     orca_sc.tl.annotate(checked, labels_key="lab", seed=0, **FAST, **LABELS_ONLY)
+    assert 150 in matrices  # the sample's discovery reads the PCA of its own cells
     rec = checked.uns["orca"]["estimate"]["size_check"]
     assert rec["n_cells"] == 500 and rec["sample_cells"] == 150
     assert rec["candidates"] == checked.uns["orca"]["estimate"]["n_novel"]
