@@ -139,7 +139,8 @@ class RunContext:
     )
     #: the Pearson residuals' depths and gene shares, fitted at the first PCA that reads them
     _residuals: list = field(default_factory=list, init=False, repr=False, compare=False)
-    _pca_input: list = field(default_factory=list, init=False, repr=False, compare=False)
+    #: what the PCA reads and why, decided once (a context on a sample shares its run's)
+    _pca_input: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def n_seen(self) -> int:
@@ -438,13 +439,12 @@ def sample_context(run: RunContext, sample: np.ndarray) -> RunContext:
     )  # fmt: skip
     cells = CellMatrix(data.X, data.domain, t.scale, t.offset, run.cells.device)
     rand = TrainRandom(cfg.seed, cells.device)
-    sub = RunContext(data, t, cells, cfg, schedule(sample.size, cfg), rand, run.comm)
     if not run.has_counts:  # some input is not counts anywhere in the data: no test to run
         run.pca_input_record()
     # one choice of what the PCA reads per run, made on the sample where discovery runs: the
     # pair partners of all cells then read what discovery read (and the test is not repeated)
-    object.__setattr__(sub, "_pca_input", run._pca_input)
-    return sub
+    return RunContext(data, t, cells, cfg, schedule(sample.size, cfg), rand, run.comm,
+                      _pca_input=run._pca_input)  # fmt: skip
 
 
 def on_all_cells(
