@@ -283,7 +283,11 @@ def annotate_record(fit: Any, model: Any, head: np.ndarray, naming: Naming, labe
                               test.record if test is not None else None,
                               cfg.discovery.n_neighbors)  # fmt: skip
     return RunRecord(
-        params={"labels_key": labels_key, **cfg.to_dict()},
+        params={
+            "labels_key": labels_key,
+            **cfg.to_dict(),
+            **({"ablation": fit.lab.changes()} if fit.lab.changes() else {}),
+        },  # fmt: skip
         mode=mode,
         seen_classes=list(data.classes),
         novel_cluster_sizes=sizes,
@@ -311,7 +315,7 @@ def annotate_record(fit: Any, model: Any, head: np.ndarray, naming: Naming, labe
         training={
             "epochs": fit.plan.n_epochs,
             "steps": int(sum(h["steps"] for h in fit.history)),
-            "phases": training_phases(fit.history, fit.plan, cfg),
+            "phases": training_phases(fit.history, fit.plan, fit.lab),
             "seconds": t.training,
             "discovery_seconds": t.discovery,
             "novelty_test_seconds": t.novelty,
@@ -322,7 +326,7 @@ def annotate_record(fit: Any, model: Any, head: np.ndarray, naming: Naming, labe
     )
 
 
-def training_phases(history: list[dict], plan: Any, cfg: Any) -> dict[str, dict[str, Any]]:
+def training_phases(history: list[dict], plan: Any, lab: Any) -> dict[str, dict[str, Any]]:
     """Per phase of training (``warm-up``, ``open-world``): the steps it ran and its schedule's,
     why it stopped (``converged`` by the stopping rule, or ``schedule``: every epoch ran), and
     the last check's figures: share of the sampled cells whose head changed, the loss's fall
@@ -343,8 +347,8 @@ def training_phases(history: list[dict], plan: Any, cfg: Any) -> dict[str, dict[
             "changed": float(last.get("changed", np.nan)),
             "loss_fall": float(last.get("loss_fall", np.nan)),
             "loss_noise": float(last.get("loss_noise", np.nan)),
-            "stop_tolerance": float(cfg.stop_tolerance),
-            "check_steps": int(cfg.stop_check_interval(plan.steps_per_epoch, name)),
+            "stop_tolerance": float(lab.stop_tolerance),
+            "check_steps": int(lab.stop_check_steps),
         }
     return out
 

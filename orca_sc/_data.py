@@ -192,6 +192,7 @@ def prepare(
     labels_key: str,
     config: OrcaConfig,
     comm: Any = None,
+    min_shared_genes: int = 100,
 ) -> PreparedData:
     """Turn (query, reference) AnnData into :class:`PreparedData`: encode labels, align genes,
     read the selected genes.
@@ -205,9 +206,11 @@ def prepare(
     """
     # everything that can be checked without the matrices first: no work (and no warning about
     # the values) before an error about the labels, genes, batches or options
-    enc = _encode_single(adata, labels_key, config) if reference is None else _encode_reference(
-        adata, reference, labels_key, config
-    )  # fmt: skip
+    enc = (
+        _encode_single(adata, labels_key, config, min_shared_genes)
+        if reference is None
+        else _encode_reference(adata, reference, labels_key, config, min_shared_genes)
+    )
     _check_labels(enc.labels, enc.classes, labels_key)
     n_unlabeled = int((enc.labels < 0).sum())
     _check_n_novel(config.n_novel, n_unlabeled)
@@ -285,7 +288,9 @@ def read_rep(inputs: list[_Input], key: str | None) -> np.ndarray | None:
     return np.ascontiguousarray(np.concatenate(parts))
 
 
-def _encode_single(adata: Any, labels_key: str, config: OrcaConfig) -> _Encoded:
+def _encode_single(
+    adata: Any, labels_key: str, config: OrcaConfig, min_shared_genes: int
+) -> _Encoded:
     """One AnnData: its labelled cells are the reference, the others the query."""
     what = "AnnData"
     _check_has_cells(adata, what)
@@ -295,10 +300,10 @@ def _encode_single(adata: Any, labels_key: str, config: OrcaConfig) -> _Encoded:
     _check_label_values(adata, col, unl, labels_key, what)
     classes = _class_order(col, ~unl)
     genes = adata.var_names.astype(str).tolist()
-    if len(genes) < config.min_shared_genes:
+    if len(genes) < min_shared_genes:
         msg = (
             f"The {what} has {len(genes)} gene(s); ORCA needs at least "
-            f"{config.min_shared_genes} (min_shared_genes) to tell cell types apart. Pass the "
+            f"{min_shared_genes} to tell cell types apart. Pass the "
             "full expression matrix."
         )
         raise OrcaInputError(msg)
@@ -311,7 +316,9 @@ def _encode_single(adata: Any, labels_key: str, config: OrcaConfig) -> _Encoded:
     return _Encoded(inputs, _encode(col, unl, classes), classes, genes, batches, rows)
 
 
-def _encode_reference(adata: Any, reference: Any, labels_key: str, config: OrcaConfig) -> _Encoded:
+def _encode_reference(
+    adata: Any, reference: Any, labels_key: str, config: OrcaConfig, min_shared_genes: int
+) -> _Encoded:
     """A labelled reference (its unlabelled cells dropped) and a query, or several queries
     (``adata`` a list: their cells follow one another, each query a batch of its own unless
     ``batch_key`` names their batches).
@@ -341,7 +348,7 @@ def _encode_reference(adata: Any, reference: Any, labels_key: str, config: OrcaC
     )
     genes = reference.var_names.astype(str)
     for q in queries:  # genes of the reference found in every query
-        genes = pd.Index(shared_genes(genes, q.var_names.astype(str), config.min_shared_genes))
+        genes = pd.Index(shared_genes(genes, q.var_names.astype(str), min_shared_genes))
     genes = genes.tolist()
     if config.batch_key is not None:
         parts = [batch_column(reference, config.batch_key, "reference")[keep]]

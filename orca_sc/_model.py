@@ -15,6 +15,7 @@ import scipy.sparse as sp
 import torch
 
 from . import __version__
+from ._ablation import LAB, Ablation
 from ._align import (
     aligned_group_means,
     centroid_shift,
@@ -67,13 +68,13 @@ class Prediction:
 
 
 def train(
-    adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig
+    adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig, lab: Ablation = LAB
 ) -> tuple[OrcaModel, Annotation]:
     """Train ORCA on ``adata`` (+ ``reference``) and annotate ``adata``'s cells: the one
     assembly behind :func:`orca_sc.tl.annotate`, :meth:`OrcaModel.fit` and ``orca-sc annotate``.
     """
     with reproducible(resolve_device(cfg.device)):
-        fit = fit_run(adata, reference, labels_key, cfg)
+        fit = fit_run(adata, reference, labels_key, cfg, lab)
         with stage("naming, novelty and calibration"):
             return _assemble(fit, reference, labels_key, cfg)
 
@@ -137,7 +138,7 @@ def _majority_vote(fit: Fit, labels: np.ndarray) -> Vote:
     """
     unl = ~fit.data.labeled
     v = majority_vote(fit.embedding[unl], labels[unl], seed=fit.config.seed,
-                      max_cells=fit.config.discovery.max_cells)  # fmt: skip
+                      max_cells=fit.rules.max_cells)  # fmt: skip
     voted = labels.copy()
     voted[unl] = v.labels
     cluster = np.full(labels.size, -1, dtype=np.int64)
@@ -211,7 +212,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
     """Every head's name from the training cells' heads ``head``: novel clusters that are a
     known type of another batch carry its name (:func:`orca_sc._discover.match_known_types`),
     the others are ``novel_1``, ``novel_2``, ... by size; heads with fewer unlabelled cells than
-    ``DiscoveryConfig.min_novel_cells`` are pruned (``None``). Also the record of the merges.
+    ``DiscoveryRules.min_novel_cells`` are pruned (``None``). Also the record of the merges.
     """
     data, classes = fit.data, list(fit.data.classes)
     n_seen, n_novel = len(classes), fit.found.n_heads
@@ -248,7 +249,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         )  # fmt: skip
     # a head that won fewer cells than a cluster needs is no cluster: pruned (its cells take
     # their next most probable head), unless its signature made it a known type above
-    bar = fit.config.discovery.min_novel_cells
+    bar = fit.rules.min_novel_cells
     too_few = counts < bar
     head_names, order = name_heads(np.where(too_few, 0, counts), classes, pairs, same)
     # the cells of each head that pruning took, largest first (a head merged into a known type
@@ -257,7 +258,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
                      and head_names[n_seen + h] is None), reverse=True)  # fmt: skip
     if pruned:
         logger.warning(
-            "%d novel head(s) won only %s unlabelled cell(s), fewer than min_novel_cells=%d: too "
+            "%d novel head(s) won only %s unlabelled cell(s), fewer than the %d a cluster needs: too "
             "few for a cluster the data can support, so their cells take their next most "
             "probable head (uns['orca']['n_novel']['pruned']).",
             len(pruned), ", ".join(map(str, pruned)), bar,
@@ -358,6 +359,7 @@ class OrcaModel:
         *,
         labels_key: str,
         config: OrcaConfig | None = None,
+        ablation: Ablation | None = None,
         **kwargs: Any,
     ) -> OrcaModel:
         """Train a model as :func:`orca_sc.tl.annotate` does (same arguments, same result for
@@ -368,7 +370,7 @@ class OrcaModel:
         if reference is not None:
             check_anndata(reference, "reference")
         cfg = resolve_config(config, "OrcaModel.fit()", **kwargs)
-        model, _ = train(adata, reference, labels_key, cfg)
+        model, _ = train(adata, reference, labels_key, cfg, LAB if ablation is None else ablation)
         return model
 
     # -------------------------------------------------------------------------------- inference

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._ablation import LAB, Ablation, DiscoveryRules
 from ._align import class_centroids, compute_transform
 from ._calibration import FoldPredictions
 from ._config import OrcaConfig
@@ -89,7 +90,7 @@ def choose_pca_input(run: RunContext, residuals: PearsonResiduals) -> dict[str, 
     """
     from scipy.stats import binom
 
-    d, dc, seed = run.data, run.config.discovery, run.config.seed
+    d, dc, seed = run.data, run.rules, run.config.seed
     lab = np.flatnonzero(d.labels >= 0)
     if lab.size > dc.calibration_cells:
         lab = np.sort(np.random.default_rng(seed).choice(lab, dc.calibration_cells, replace=False))
@@ -133,6 +134,8 @@ class RunContext:
     plan: Schedule
     rand: TrainRandom
     comm: Comm
+    #: the laboratory's settings (ORCA's by default; the benchmark varies them)
+    lab: Ablation = LAB
     #: the PCA of all cells per number of components (discovery and the pair partners read it)
     _pca_all: dict[int, np.ndarray] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -141,6 +144,11 @@ class RunContext:
     _residuals: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: what the PCA reads and why, decided once (a context on a sample shares its run's)
     _pca_input: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def rules(self) -> DiscoveryRules:
+        """What discovery's rules read: the user's options and the rules' constants."""
+        return DiscoveryRules.of(self.config.discovery, self.lab)
 
     @property
     def n_seen(self) -> int:
@@ -211,7 +219,7 @@ class RunContext:
         batches, the rows of one Harmony embedding of the joint PCA of all of ``rows``; with
         ``discovery.use_rep``, the rows of the user's embedding.
         """
-        dc, seed = self.config.discovery, self.config.seed
+        dc, seed = self.rules, self.config.seed
         if self.data.rep is not None:  # the user's own integrated embedding: no PCA
             rep = self.data.rep[rows]
             info = {"method": "use_rep", "key": dc.use_rep, "width": int(rep.shape[1])}
@@ -238,14 +246,16 @@ class RunContext:
         return pca_of, info
 
 
-def run_context(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> RunContext:
+def run_context(
+    adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig, lab: Ablation = LAB
+) -> RunContext:
     """Prepare the data, align its batches and put the training matrix on the device."""
     comm = init_from_env(cfg.device)
     device = resolve_device(rank_device(cfg.device, comm))  # options first, then the data
     if comm.active and not comm.main:
         cfg = cfg.replace(progress=False)
     with stage("prepare"):
-        data = prepare(adata, reference, labels_key, cfg, comm)
+        data = prepare(adata, reference, labels_key, cfg, comm, lab.min_shared_genes)
     n_batches, n_seen = len(data.domain_names), len(data.classes)
     with stage("alignment"):
         transform = Transform(
@@ -261,8 +271,8 @@ def run_context(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaCon
         )
     cells = CellMatrix(data.X, data.domain, transform.scale, transform.offset, device)
     return RunContext(
-        data, transform, cells, cfg, schedule(data.n_cells, cfg), TrainRandom(cfg.seed, device),
-        comm,
+        data, transform, cells, cfg, schedule(data.n_cells, cfg, lab),
+        TrainRandom(cfg.seed, device), comm, lab,
     )  # fmt: skip
 
 
@@ -333,15 +343,23 @@ class Fit:
     training: dict[str, Any]  # device, layout, density, processes
     novelty_pvalues: np.ndarray | None  # (n,) NaN for labelled cells; None: not computed
     fold_predictions: FoldPredictions | None  # the cross-fitted warm-ups' predictions, or None
+    lab: Ablation = LAB
+
+    @property
+    def rules(self) -> DiscoveryRules:
+        """What discovery's rules read (the user's options and the rules' constants)."""
+        return DiscoveryRules.of(self.config.discovery, self.lab)
 
 
-def fit(adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig) -> Fit:
+def fit(
+    adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig, lab: Ablation = LAB
+) -> Fit:
     """Train ORCA on ``adata`` (+ ``reference``) and infer every cell.
 
     Under ``torchrun`` (or in a process group the caller initialised) the ranks train one model
     together (:mod:`orca_sc._dist`); every rank returns the same result.
     """
-    run = run_context(adata, reference, labels_key, cfg)
+    run = run_context(adata, reference, labels_key, cfg, lab)
     # on a GPU, discovery's PCAs and neighbour searches too; each search of a set of points once
     with on_device(run.cells.device), neighbours_once():
         return _fit(run)
@@ -359,7 +377,7 @@ def _fit(run: RunContext) -> Fit:
     with stage("self-check"):
         check = self_check(drun) if run.config.discovery.self_check else None
     t1 = time.perf_counter()
-    dc = run.config.discovery
+    dc = run.rules
     side = None
     if dc.novelty_folds and run.plan.warmup > 0:
         with stage("cross-fitted warm-ups"):
@@ -402,7 +420,7 @@ def _fit(run: RunContext) -> Fit:
         run.data, run.transform, run.config, run.plan, ow.net, warm.history + ow.history, found,
         check, _anchor_centroids(run), probs, embedding,
         Timings(t1 - t0, t2 - t1 - t_side, t3 - t2, t5 - t4 + t_side), training, pvalues,
-        fold_pred,
+        fold_pred, run.lab,
     )  # fmt: skip
 
 
@@ -443,8 +461,8 @@ def sample_context(run: RunContext, sample: np.ndarray) -> RunContext:
         run.pca_input_record()
     # one choice of what the PCA reads per run, made on the sample where discovery runs: the
     # pair partners of all cells then read what discovery read (and the test is not repeated)
-    return RunContext(data, t, cells, cfg, schedule(sample.size, cfg), rand, run.comm,
-                      _pca_input=run._pca_input)  # fmt: skip
+    return RunContext(data, t, cells, cfg, schedule(sample.size, cfg, run.lab), rand, run.comm,
+                      run.lab, _pca_input=run._pca_input)  # fmt: skip
 
 
 def on_all_cells(
@@ -467,12 +485,13 @@ def on_all_cells(
 
 def warm_up(run: RunContext) -> WarmUp:
     """The supervised warm-up on the labelled cells, less those held out for calibration."""
-    data, cfg, dc = run.data, run.config, run.config.discovery
+    data, cfg, dc = run.data, run.config, run.rules
     held = calibration_split(
         data.labels, dc.calibration_fraction, dc.calibration_max_cells, cfg.seed
     )
     labels = np.where(held, -1, data.labels)
-    net, history = fit_warmup(run.cells, labels, run.n_seen, cfg, run.plan, run.rand, run.comm)
+    net, history = fit_warmup(run.cells, labels, run.n_seen, cfg, run.plan, run.rand, run.comm,
+                              run.lab)  # fmt: skip
     return WarmUp(net, history, held)
 
 
@@ -483,7 +502,7 @@ def _side_warmup(run: RunContext, held: np.ndarray, seed: int) -> OrcaNet:
     labels = np.where(held, -1, run.data.labels)
     quiet = run.config.replace(progress=False)
     rand = TrainRandom(seed, run.cells.device)
-    return fit_warmup(run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm)[0]
+    return fit_warmup(run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm, run.lab)[0]
 
 
 def find_candidates(
@@ -499,11 +518,10 @@ def find_candidates(
 ) -> Candidates:
     """The discover stage on (at most ``discovery.max_cells``) cells; ``labels`` and ``domain``
     replace the data's (the self-check hides some); ``held_out``: every cell's cross-fitted best
-    seen-head cosine (:func:`fold_warmups`), which caps the threshold; ``side``: the
-    cross-fitted warm-ups, whose cosines of the cells of batches without labelled cells the
-    query vote reads with ``query_scores="folds"``. A decision: made on rank 0.
+    seen-head cosine (:func:`fold_warmups`), which sets the thresholds. A decision: made on
+    rank 0.
     """
-    data, cfg, dc = run.data, run.config, run.config.discovery
+    data, cfg, dc = run.data, run.config, run.rules
     labels = data.labels if labels is None else labels
     domain = data.domain if domain is None else domain
     rows = subsample_rows(data.n_cells, cfg.seed, dc.max_cells)
@@ -516,14 +534,10 @@ def find_candidates(
         )  # fmt: skip
         return Candidates(found, rows, None)
     emb, similarity = seen_similarity(net, run.cells, rows, run.comm)
-    fold_similarity = None
-    if dc.query_scores == "folds" and side is not None and held_out is not None:
-        fold_similarity = _fold_query_cosines(run, side, rows, labels, domain)
     cells = DiscoveryInput(
         emb, similarity, labels[rows], domain[rows], pca_of, calibration=calib[rows],
         domain_names=[*data.domain_names, "self-check"],
         held_out_similarity=None if held_out is None else held_out[rows], class_names=data.classes,
-        fold_similarity=fold_similarity, folds=None if side is None else side.folds[rows],
     )  # fmt: skip
     found = run.comm.on_main(_discover_in, cells, dc, cfg, space)
     return Candidates(found, rows, similarity.max(axis=1))
@@ -554,9 +568,9 @@ def sample_discovery(run: RunContext, held: np.ndarray, sample: np.ndarray) -> D
     cells = sub.cells
     labels = np.where(held, -1, data.labels)[sample]
     rand = TrainRandom(cfg.seed + 400, cells.device)
-    net, _ = fit_warmup(cells, labels, run.n_seen, cfg, sub.plan, rand)
+    net, _ = fit_warmup(cells, labels, run.n_seen, cfg, sub.plan, rand, lab=run.lab)
     emb, similarity = seen_similarity(net, cells, np.arange(sample.size))
-    dc = cfg.discovery
+    dc = run.rules
     pca_of, _ = sub.discovery_space(np.arange(sample.size), data.domain[sample])
     cells = DiscoveryInput(
         emb, similarity, labels, data.domain[sample], pca_of,
@@ -573,12 +587,12 @@ def open_world(run: RunContext, warm: WarmUp, cand: Candidates) -> OpenWorldFit:
     novel = NovelHeads(found.prototypes, found.prior, rows[found.anchor_cells], found.anchor_heads)
     pairs = run.comm.on_main(_pair_features, run)
     fixed_only = None  # a run without a query batch pairs as with "both": nothing to split
-    if run.config.pair_space == "query_pca":
+    if run.lab.pair_space == "query_pca":
         query = query_batch_cells(run.data.labels, run.data.domain)
         fixed_only = query if query.any() else None
     net, history = fit_open_world(
         warm.net, run.cells, run.data.labels, novel, run.config, run.plan, run.rand, pairs,
-        run.comm, pair_fixed_only=fixed_only,
+        run.comm, pair_fixed_only=fixed_only, lab=run.lab,
     )  # fmt: skip
     return OpenWorldFit(net, history)
 
@@ -588,7 +602,7 @@ def self_check(run: RunContext) -> dict[str, Any]:
     types and some known-type cells (:func:`orca_sc._discover.self_check_split`), the discover
     stage on it, and how the rules did (:func:`orca_sc._discover.self_check_report`).
     """
-    data, cfg, dc = run.data, run.config, run.config.discovery
+    data, cfg, dc = run.data, run.config, run.rules
     split = self_check_split(
         data.labels, data.domain, type_fraction=dc.self_check_types,
         known_fraction=dc.self_check_known, min_cells=dc.n_neighbors, seed=cfg.seed,
@@ -602,7 +616,7 @@ def self_check(run: RunContext) -> dict[str, Any]:
     t0 = time.perf_counter()
     n_keep = int(split.labels.max()) + 1
     rand = TrainRandom(cfg.seed + 2, run.cells.device)
-    net, _ = fit_warmup(run.cells, split.labels, n_keep, cfg, run.plan, rand, run.comm)
+    net, _ = fit_warmup(run.cells, split.labels, n_keep, cfg, run.plan, rand, run.comm, run.lab)
     with warnings.catch_warnings():  # the probe's own notes are not the user's
         warnings.simplefilter("ignore")
         cand = find_candidates(
@@ -721,25 +735,6 @@ def _discover_in(
     return replace(found, diagnostics={**found.diagnostics, "integration": dict(space)})
 
 
-def _fold_query_cosines(
-    run: RunContext, side: FoldNets, rows: np.ndarray, labels: np.ndarray, domain: np.ndarray
-) -> np.ndarray:
-    """Each fold net's best seen-head cosine ``(n_folds, rows.size)`` of the cells of ``rows`` in
-    batches without labelled cells (NaN elsewhere, and for a fold without a net).
-    """
-    query = query_batch_cells(labels[rows], domain[rows])
-    out = np.full((len(side.nets), rows.size), np.nan)
-    if not query.any():
-        return out
-    for f, net in enumerate(side.nets):  # loop over folds, not cells
-        if net is not None:
-            with stage("fold inference"):
-                out[f, query] = seen_similarity(net, run.cells, rows[query], run.comm)[1].max(
-                    axis=1
-                )
-    return out
-
-
 def _count_fold(
     counts: CrossConformal,
     emb: np.ndarray,
@@ -773,9 +768,9 @@ def _pair_features(run: RunContext) -> np.ndarray | None:
     expression (``pair_space``): the net's embedding, trained on the seen classes, does not yet
     separate novel types.
     """
-    if run.config.pair_space not in ("pca", "both", "query_pca"):
+    if run.lab.pair_space not in ("pca", "both", "query_pca"):
         return None
-    return run.pca(run.config.pair_pcs)
+    return run.pca(run.lab.pair_pcs)
 
 
 def _anchor_centroids(run: RunContext) -> np.ndarray:

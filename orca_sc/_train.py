@@ -23,6 +23,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
+from ._ablation import LAB, MAX_MARGIN, Ablation
 from ._align import aligned_rows
 from ._config import OrcaConfig
 from ._dist import BatchShard, Comm, active_shard
@@ -323,14 +324,16 @@ class Schedule:
     anchor: int
 
 
-def schedule(n_cells: int, config: OrcaConfig) -> Schedule:
-    """At least ``min_steps`` optimiser steps (epochs are added for small data); warm-up and
-    anchor phases scale with the number of epochs.
+def schedule(n_cells: int, config: OrcaConfig, lab: Ablation = LAB) -> Schedule:
+    """At least ``lab.epoch_min_steps`` optimiser steps per epoch of ``config.epochs`` (passes
+    over the cells are added for small data, so that a run of fewer epochs is always shorter);
+    warm-up and anchor phases scale with the number of passes.
     """
     steps_per_epoch = max(1, math.ceil(n_cells / config.batch_size))
-    n_epochs = max(config.epochs, math.ceil(config.min_steps / steps_per_epoch))
+    min_steps = lab.epoch_min_steps * config.epochs
+    n_epochs = max(config.epochs, math.ceil(min_steps / steps_per_epoch))
     warmup = round(config.warmup_epochs * n_epochs / config.epochs)
-    anchor = round(config.anchor_epochs * n_epochs / config.epochs)
+    anchor = round(lab.anchor_epochs * n_epochs / config.epochs)
     return Schedule(steps_per_epoch, n_epochs, warmup, anchor)
 
 
@@ -361,26 +364,17 @@ class StopRule:
 STOP_SAMPLE = 2000
 
 
-def stop_rule(
-    n_cells: int, config: OrcaConfig, steps_per_epoch: int = 1, phase: str = "warm-up"
-) -> StopRule | None:
-    """The :class:`StopRule` of ``config`` in a ``phase`` (``"warm-up"`` or ``"open-world"``;
-    ``None`` with ``stop_tolerance=0``: the schedule). The sample is drawn from the config's
-    seed, the same in both phases. Its checks are ``config.stop_check_steps`` steps apart, or
-    ``steps_per_epoch`` where that is more and ``config.stop_every_epoch`` holds for the phase
-    (:meth:`~orca_sc.OrcaConfig.stop_check_interval`): a check then compares the net after a
-    pass over every cell with the one a pass before, so the share of cells changing head
-    between checks, and the loss's fall, are read per pass at any number of cells (with a
-    fixed number of steps, a 100,000-cell warm-up was compared an eighth of a pass apart,
-    stopped at 125 of 980 steps with a fifth of its cells still changing head, and discovery
-    found no novel type).
+def stop_rule(n_cells: int, config: OrcaConfig, lab: Ablation = LAB) -> StopRule | None:
+    """The :class:`StopRule` of a phase (``None`` with ``lab.stop_tolerance=0``: the schedule).
+    The sample is drawn from the config's seed, the same in both phases; the checks are
+    ``lab.stop_check_steps`` steps apart (checks an epoch apart at any size were measured and
+    not kept: they train longer at large sizes, docs/discovery.md).
     """
-    if config.stop_tolerance <= 0:
+    if lab.stop_tolerance <= 0:
         return None
     rng = np.random.default_rng([config.seed, 0x5709])
     sample = np.sort(rng.choice(n_cells, size=min(n_cells, STOP_SAMPLE), replace=False))
-    every = config.stop_check_interval(steps_per_epoch, phase)
-    return StopRule(sample, config.stop_tolerance, every, config.stop_min_steps)
+    return StopRule(sample, lab.stop_tolerance, lab.stop_check_steps, lab.stop_min_steps)
 
 
 def stop_state(rule: StopRule | None, data: CellMatrix, comm: Comm | None) -> StopState:
@@ -450,6 +444,7 @@ def fit_warmup(
     plan: Schedule,
     rand: TrainRandom,
     comm: Comm | None = None,
+    lab: Ablation = LAB,
 ) -> tuple[OrcaNet, list[dict]]:
     """A new :class:`OrcaNet` with one head per seen class, trained for at most ``plan.warmup``
     epochs on the labelled cells with the supervised term alone (the margin follows the
@@ -459,7 +454,8 @@ def fit_warmup(
     """
     with rand.torch_stream():
         net = OrcaNet(data.shape[1], n_seen, config.hidden_dims, config.dropout).to(data.device)
-        loss = OrcaLoss(data, labels, config, plan, comm, full=False, generator=rand.pairs)
+        loss = OrcaLoss(data, labels, config, plan, comm, full=False, generator=rand.pairs,
+                        lab=lab)  # fmt: skip
         history = _fit(net, loss, data, labels, range(plan.warmup), plan, config, rand, comm)
     return net, history
 
@@ -475,13 +471,14 @@ def fit_open_world(
     pair_features: np.ndarray | None = None,
     comm: Comm | None = None,
     pair_fixed_only: np.ndarray | None = None,
+    lab: Ablation = LAB,
 ) -> tuple[OrcaNet, list[dict]]:
     """ORCA's open-world phase (paper Algorithm 1) on all cells: a new net with ``net``'s
     backbone and seen heads plus the novel heads of ``novel``, trained with the full objective
     for at most the epochs after the warm-up (the first ``plan.anchor`` of them with the anchor
     term), stopped earlier by ``config``'s :class:`StopRule` (not during the anchor epochs).
     ``pair_features`` ``(n_cells, P)``: a fixed space in which unlabelled cells' pairwise
-    partners are also looked for (``config.pair_space``); ``pair_fixed_only`` ``(n_cells,)``:
+    partners are also looked for (``lab.pair_space``); ``pair_fixed_only`` ``(n_cells,)``:
     the cells that look for them in that space alone (``pair_space="query_pca"``: the cells of
     batches without labelled cells). ``net`` is left as it is.
     """
@@ -490,7 +487,7 @@ def fit_open_world(
         net = net.with_novel_heads(torch.as_tensor(novel.prototypes, dtype=torch.float32))
         net = net.to(dev)
         prior = None
-        if config.prior == "data" and novel.prior is not None:
+        if lab.prior == "data" and novel.prior is not None:
             prior = torch.as_tensor(novel.prior, dtype=torch.float32, device=dev)
         y_anchor = None
         if novel.anchor_rows.size:
@@ -505,7 +502,7 @@ def fit_open_world(
             fixed_only = torch.as_tensor(pair_fixed_only, dtype=torch.bool, device=dev)
         loss = OrcaLoss(
             data, labels, config, plan, comm, full=True, prior=prior, y_anchor=y_anchor,
-            pair_features=feats, generator=rand.pairs, pair_fixed_only=fixed_only,
+            pair_features=feats, generator=rand.pairs, pair_fixed_only=fixed_only, lab=lab,
         )  # fmt: skip
         epochs = range(plan.warmup, plan.n_epochs)
         history = _fit(net, loss, data, labels, epochs, plan, config, rand, comm)
@@ -521,7 +518,7 @@ def _fit(net, loss, data, labels, epochs, plan, config, rand, comm) -> list[dict
     comm = comm if comm is not None and comm.active else None
     full = loss.full
     phase = "open-world" if full else "warm-up"
-    rule = stop_rule(data.shape[0], config, plan.steps_per_epoch, phase)
+    rule = stop_rule(data.shape[0], config, loss.lab)
     return fit_phase(
         net, loss, CellBatches(data, labels, plan, rand, full, comm), _adam(net, config), epochs,
         phase=phase, stop=stop_state(rule, data, comm),
@@ -596,9 +593,10 @@ class OrcaLoss:
     def __init__(
         self, data: CellMatrix, labels: np.ndarray, config: OrcaConfig, plan: Schedule, comm,
         *, full: bool, prior=None, y_anchor=None, pair_features=None, generator=None,
-        pair_fixed_only=None,
+        pair_fixed_only=None, lab: Ablation = LAB,
     ) -> None:  # fmt: skip
         self.data, self.config, self.plan, self.full = data, config, plan, full
+        self.lab = lab
         self.comm = comm if comm is not None and comm.active else None
         self.y_all = torch.as_tensor(labels, device=data.device)
         self.u_rows = _uncertainty_rows(np.flatnonzero(labels < 0), config.seed)
@@ -608,12 +606,12 @@ class OrcaLoss:
         self._u_batches: list | None = None  # built at the first refresh, read at every one
 
     def start_epoch(self, net: OrcaNet, epoch: int) -> dict:
-        cfg = self.config
+        lab = self.lab
         with stage("margin refresh"):
             if self._u_batches is None and _affordable(self.data, self.u_rows.size):
                 self._u_batches = uncertainty_batches(self.data, self.u_rows, self.comm)
             u = mean_uncertainty(net, self.data, self.u_rows, self.comm, self._u_batches)
-        self.margin = adaptive_margin(cfg.margin, u, cfg.lam, cfg.max_margin, cfg.fixed_margin)
+        self.margin = adaptive_margin(lab.margin, u, lab.lam, MAX_MARGIN, lab.fixed_margin)
         plan = self.plan
         self.anchored = self.y_anchor is not None and epoch < plan.warmup + plan.anchor
         return {"uncertainty": u, "margin": self.margin, "warmup": not self.full,
@@ -625,7 +623,7 @@ class OrcaLoss:
     def __call__(self, model: torch.nn.Module, item: CellBatch) -> tuple[torch.Tensor, ...]:
         idx = item.rows
         return orca_loss_terms(
-            model, item.x, self.y_all[idx], self.margin, self.config, self.generator,
+            model, item.x, self.y_all[idx], self.margin, self.lab, self.generator,
             full=self.full, prior=self.prior,
             y_anchor=self.y_anchor[idx] if self.anchored else None,
             pair_features=self.pair_features[idx] if self.pair_features is not None else None,
@@ -664,7 +662,7 @@ def _adam(net: OrcaNet, config: OrcaConfig) -> torch.optim.Adam:
     """Adam with its fused kernel where there is one (CPU, CUDA): on 2 CPU threads 0.4 ms per
     step against 6.3 ms for the per-parameter loop.
     """
-    kw = {"lr": config.lr, "weight_decay": config.weight_decay}
+    kw = {"lr": config.lr}
     try:
         return torch.optim.Adam(net.parameters(), fused=True, **kw)
     except RuntimeError:  # no fused kernel for this device
@@ -672,7 +670,7 @@ def _adam(net: OrcaNet, config: OrcaConfig) -> torch.optim.Adam:
 
 
 def orca_loss_terms(
-    net, x, y, margin: float, config: OrcaConfig, gen: torch.Generator | None, *, full: bool,
+    net, x, y, margin: float, lab: Ablation, gen: torch.Generator | None, *, full: bool,
     prior=None, y_anchor=None, pair_features=None, pair_fixed_only=None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Eq. 1 on one batch: L = L_S + eta1 L_P + eta2 R, each term switchable (``full=False``:
@@ -692,7 +690,7 @@ def orca_loss_terms(
         if shard is not None:
             logits = shard.gather(logits)
         zero = logits.sum() * 0.0
-        sup = margin_cross_entropy(logits, y, margin) if config.supervised else zero
+        sup = margin_cross_entropy(logits, y, margin) if lab.supervised else zero
         return sup, sup, zero, zero, zero
     (logits, feat), (logits2, _) = net(x, views=2)  # two dropout masks
     if shard is not None:  # one exchange for the three
@@ -706,10 +704,10 @@ def orca_loss_terms(
     similarity = None
     if pair_features is None:  # pair_space="embedding"
         space = feat
-    elif config.pair_space == "query_pca" and pair_fixed_only is not None:
+    elif lab.pair_space == "query_pca" and pair_fixed_only is not None:
         space = feat  # its shape only: the partners are read in the two similarities
         similarity = split_cosine_similarity(pair_features, feat, pair_fixed_only)
-    elif config.pair_space in ("both", "query_pca"):  # "query_pca" without a query cell
+    elif lab.pair_space in ("both", "query_pca"):  # "query_pca" without a query cell
         space = joint_cosine_features(pair_features, feat)
     else:
         space = pair_features
@@ -719,16 +717,16 @@ def orca_loss_terms(
         space,
         y,
         margin,
-        eta1=config.eta1,
-        eta2=config.eta2,
+        eta1=lab.eta1,
+        eta2=lab.eta2,
         prior=prior,
         generator=gen,
-        mutual=config.mutual_pairs,
-        supervised=config.supervised,
-        regularizer=config.regularizer,
+        mutual=lab.mutual_pairs,
+        supervised=lab.supervised,
+        regularizer=lab.regularizer,
         pair_similarity=similarity,
     )
-    loss = terms.loss + config.anchor_weight * anchor
+    loss = terms.loss + lab.anchor_weight * anchor
     return loss, terms.supervised, terms.pairwise, terms.regularizer, anchor
 
 

@@ -245,13 +245,6 @@ def _add(options):
     help="Supervised warm-up epochs before novel heads are added (< --epochs).",
 )
 @click.option(
-    "--min-steps",
-    default=300,
-    show_default=True,
-    type=int,
-    help="Minimum optimiser steps (small data trains for more epochs).",
-)
-@click.option(
     "--batch-size", default=512, show_default=True, type=int, help="Cells per mini-batch."
 )
 @click.option("--lr", default=1e-3, show_default=True, type=float, help="Adam learning rate.")
@@ -331,7 +324,7 @@ def _add(options):
 @_add(_output_opts)
 @click.pass_context
 def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer, batch_key,
-             unlabeled_category, epochs, warmup_epochs, min_steps, batch_size, lr, device, seed, save_model, self_check,
+             unlabeled_category, epochs, warmup_epochs, batch_size, lr, device, seed, save_model, self_check,
              novelty_alpha, novelty_folds, integration, pca_input, discovery_cells, use_rep, majority_vote, truth_key,
              report, on_disk, overwrite, quiet):  # fmt: skip
     """Annotate QUERY.h5ad (one or several) with the cell types of REF.h5ad, discovering
@@ -380,7 +373,6 @@ def annotate(ctx, reference, query, labels_key, output, n_novel, n_genes, layer,
             unlabeled_category=tuple(unlabeled_category),
             epochs=epochs,
             warmup_epochs=DEFAULT if default else warmup_epochs,
-            min_steps=min_steps,
             batch_size=batch_size,
             lr=lr,
             device=device,
@@ -716,8 +708,9 @@ def _csv_list(value: str | None, cast=str) -> list | None:
     "set_pairs",
     multiple=True,
     metavar="KEY=VALUE",
-    help="With --method ORCA alone: an OrcaConfig or DiscoveryConfig option for every run "
-    "(repeatable, e.g. --set novelty_folds=0); the runs then carry the suite's full figures "
+    help="With --method ORCA alone: an OrcaConfig or DiscoveryConfig option, or a setting of "
+    "orca_sc.benchmark.Ablation (the paper's ablations, a discovery rule's constant), for every "
+    "run (repeatable, e.g. --set novelty_folds=0, --set margin=zero); the runs then carry the suite's full figures "
     "for `orca-sc compare`.",
 )
 @click.option(
@@ -848,11 +841,13 @@ def benchmark(ctx, outdir, data_dir, tasks, h5ad, labels_key, batch_key, referen
 def _overrides(pairs: tuple[str, ...]) -> dict:
     """``--set`` pairs as configuration options, checked before any run."""
     from . import benchmark as B
+    from ._ablation import split_options
     from ._config import resolve_config
 
     try:
         overrides = B.config_overrides(pairs)
-        resolve_config(None, "--set", **overrides)
+        options, _ = split_options(overrides)  # the method's settings: an Ablation, checked
+        resolve_config(None, "--set", **options)
     except (TypeError, ValueError) as e:
         raise CliError(f"--set: {e}") from None
     return overrides

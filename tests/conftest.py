@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import orca_sc
+from orca_sc._ablation import Ablation
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -57,10 +58,14 @@ def small_sim():
     return open_world(a, ["type_0", "type_1", "type_2"])
 
 
-#: a short schedule for tests (the defaults train longer on small data)
-FAST = {"n_genes": None, "epochs": 5, "min_steps": 150, "warmup_epochs": 1, "progress": False}
-#: :data:`FAST` on the command line
-FAST_ARGS = ["--epochs", "5", "--warmup-epochs", "1", "--min-steps", "150", "--n-genes", "0", "-q"]
+#: a short schedule for tests (the defaults train longer on small data): at least 150 optimiser
+#: steps over 5 epochs
+FAST_LAB = Ablation(epoch_min_steps=30)
+#: :data:`FAST`'s user options alone (an OrcaConfig's fields)
+FAST_OPTIONS = {"n_genes": None, "epochs": 5, "warmup_epochs": 1, "progress": False}
+FAST = {**FAST_OPTIONS, "ablation": FAST_LAB}
+#: :data:`FAST` on the command line (at least 150 steps over 10 epochs, 30 of them warm-up)
+FAST_ARGS = ["--epochs", "10", "--warmup-epochs", "2", "--n-genes", "0", "-q"]
 
 
 @dataclass(frozen=True)

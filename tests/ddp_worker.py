@@ -16,18 +16,22 @@ import torch
 import torch.distributed as dist
 
 import orca_sc
+from orca_sc._ablation import Ablation
 from orca_sc._config import OrcaConfig
 from orca_sc._data import prepare
 from orca_sc._dist import BatchShard, Comm, init_from_env
 from orca_sc._model import train
 from orca_sc._train import CellMatrix, TrainRandom, fit_warmup, schedule
 
+#: the schedule of the epochs given, without the floor of steps of small data
+NO_FLOOR = Ablation(epoch_min_steps=0)
+
 
 def _training(data, cfg, comm):
     """Two epochs of the supervised warm-up, as one process or as ``comm``'s ranks."""
     shape = (len(data.domain_names), data.X.shape[1])
     cells = CellMatrix(data.X, data.domain, np.ones(shape), np.zeros(shape), torch.device("cpu"))
-    plan = schedule(data.n_cells, cfg)
+    plan = schedule(data.n_cells, cfg, NO_FLOOR)
     net, hist = fit_warmup(
         cells, data.labels, len(data.classes), cfg, plan, TrainRandom(cfg.seed, cells.device), comm
     )
@@ -63,7 +67,7 @@ def _one_step(data, cfg, comm, layout="dense", n=300, sizes=None):
     torch.manual_seed(1)
     gen = torch.Generator().manual_seed(2)
     with sharded(shard):  # as the training engine runs a step
-        loss = orca_loss_terms(model, cells.batch(rows), y, 0.2, cfg, gen, full=True)
+        loss = orca_loss_terms(model, cells.batch(rows), y, 0.2, NO_FLOOR, gen, full=True)
         loss[0].backward()
     grads = {k: p.grad.detach().clone() for k, p in net.named_parameters()}
     stats = {k: v.detach().clone() for k, v in net.state_dict().items() if "running" in k}
@@ -94,7 +98,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
     torch.set_num_threads(1)
     comm = init_from_env("cpu")
     cfg = OrcaConfig(
-        device="cpu", epochs=6, warmup_epochs=2, min_steps=0, n_genes=300, progress=False,
+        device="cpu", epochs=6, warmup_epochs=2, n_genes=300, progress=False,
         batch_size=256,
     )  # fmt: skip
     ref = orca_sc.read_lazy(ref_path, "Reference")
@@ -114,7 +118,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
     state_d, loss_d, steps = _training(data, cfg, comm)
     t_train = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _, ann_d = train(query, ref, "cell_type", cfg)
+    _, ann_d = train(query, ref, "cell_type", cfg, NO_FLOOR)
     t_fit = time.perf_counter() - t0
     world = comm.world
     dist.barrier()
@@ -131,7 +135,7 @@ def main(ref_path: str, query_path: str, out: str) -> None:
     empty_s = {layout: _one_step(data_s, cfg, None, layout, n=6) for layout in ("dense", "sparse")}
     state_s, loss_s, _ = _training(data_s, cfg, None)
     t0 = time.perf_counter()
-    _, ann_s = train(query, ref, "cell_type", cfg)
+    _, ann_s = train(query, ref, "cell_type", cfg, NO_FLOOR)
     t_fit_s = time.perf_counter() - t0
     param_diff = {
         k: float((state_d[k].double() - state_s[k].double()).abs().max()) for k in state_s

@@ -227,7 +227,7 @@ def test_sim_tasks_of_the_development_suite():
 def test_several_queries_are_annotated_together_and_come_back_in_the_query_order():
     setting = {s.name: s for s in B.sim_settings(large=False)}["queries2_q180"]
     task = B.make_sim_task(setting, seed=1)
-    q, rows = B.annotate_task(task, 0, epochs=5, warmup_epochs=1, min_steps=150,
+    q, rows = B.annotate_task(task, 0, epochs=5, warmup_epochs=1, epoch_min_steps=30,
                               novelty_folds=0)  # fmt: skip
     assert list(q.obs_names[rows]) == list(task.query.obs_names)
     assert (q.obs["truth"].to_numpy() == task.truth).all()
@@ -649,7 +649,7 @@ def test_suite_runs_are_pinned_to_the_thread_count_it_started_with(monkeypatch):
     monkeypatch.setattr(_devsuite, "annotate_task", recording)
     setting = SimSetting("threads", n_ref=300, n_query=150, n_genes=200)
     spec = TaskSpec("sim_threads", "cross-batch", lambda s: make_sim_task(setting, s), "")
-    fast = {"epochs": 2, "warmup_epochs": 1, "min_steps": 20, "novelty_folds": 0}
+    fast = {"epochs": 2, "warmup_epochs": 1, "epoch_min_steps": 10, "novelty_folds": 0}
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -674,7 +674,7 @@ def test_suite_runs_in_worker_processes_give_the_rows_of_one_process():
 
     setting = SimSetting("jobs", n_ref=300, n_query=150, n_genes=200, n_seen=4, n_novel=2)
     spec = TaskSpec("sim_jobs", "cross-batch", partial(make_sim_task, setting), "")
-    fast = {"epochs": 3, "warmup_epochs": 1, "min_steps": 20}
+    fast = {"epochs": 3, "warmup_epochs": 1, "epoch_min_steps": 7}
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -734,7 +734,7 @@ def test_own_h5ad_task_runs_in_worker_processes(sim, tmp_path):
     args = ["benchmark", "--h5ad", str(path), "--labels-key", "cell_type", "--batch-key",
             "batch", "--reference-batches", "batch_0", "--novel-classes", "type_4",
             "--method", "ORCA", "--seeds", "0,1", "--no-scaling", "-q", "--set", "epochs=3",
-            "--set", "warmup_epochs=1", "--set", "min_steps=20"]  # fmt: skip
+            "--set", "warmup_epochs=1", "--set", "epoch_min_steps=7"]  # fmt: skip
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -767,7 +767,7 @@ def test_one_run_with_jobs_stays_in_process_at_every_thread(sim, tmp_path):
     args = ["benchmark", "--h5ad", str(path), "--labels-key", "cell_type", "--batch-key",
             "batch", "--reference-batches", "batch_0", "--method", "ORCA", "--seeds", "0",
             "--no-scaling", "-q", "--set", "epochs=2", "--set", "warmup_epochs=1", "--set",
-            "min_steps=10", "--jobs", "2", "--outdir", str(out)]  # fmt: skip
+            "epoch_min_steps=5", "--jobs", "2", "--outdir", str(out)]  # fmt: skip
     pools = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
     env = os.environ | dict.fromkeys(pools, "2")
     r = subprocess.run([sys.executable, "-m", "orca_sc", *args], env=env, capture_output=True,

@@ -7,6 +7,7 @@ from conftest import rare_in_reference
 
 import orca_sc
 from orca_sc import OrcaConfig, OrcaInputError
+from orca_sc._ablation import Ablation, DiscoveryRules
 from orca_sc._align import _SUM_CHUNK, centroid_shift, class_centroids, group_domain_means
 from orca_sc._data import prepare
 from orca_sc._read import detect_scale, log_normalize
@@ -193,7 +194,7 @@ def test_config_validation():
         OrcaConfig(n_novel=-1)
     with pytest.raises(ValueError, match="n_novel"):
         OrcaConfig(n_novel="many")
-    with pytest.raises(ValueError, match="margin"):
+    with pytest.raises(TypeError, match="margin"):  # the method's setting, not an option
         OrcaConfig(margin="big")
     with pytest.raises(ValueError, match="batch_size"):
         OrcaConfig(batch_size=1)
@@ -202,34 +203,22 @@ def test_config_validation():
     assert OrcaConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="Unknown configuration keys"):
         OrcaConfig.from_dict({"bogus": 1})
-    # the cross-fitted cap reads the novelty test's warm-ups: without them it would do nothing
-    with pytest.raises(ValueError, match="cross_fit_threshold.*novelty_folds"):
-        orca_sc.DiscoveryConfig(cross_fit_threshold=True, novelty_folds=0)
-    with pytest.raises(ValueError, match="cross_fit_threshold"):
+    with pytest.raises(ValueError, match='"per_type" or "none"'):
         orca_sc.DiscoveryConfig(cross_fit_threshold="per type")
-    # the conformal query vote reads the per-type cross-fitted cosines: no silent fallback
-    for bad in (
-        {"novelty_folds": 0},
-        {"cross_fit_threshold": "cap"},
-        {"cross_fit_threshold": None},
-    ):
-        with pytest.raises(ValueError, match="query_vote.*novelty_folds >= 2"):
-            orca_sc.DiscoveryConfig(query_vote="either", **bad)
-    # the contrast vote falls back to the share vote without them, as the per-type threshold
-    # falls back to the in-sample rule
-    assert orca_sc.DiscoveryConfig(query_vote="contrast", novelty_folds=0).novelty_folds == 0
-    with pytest.raises(ValueError, match='"contrast", "either" or "share"'):
-        orca_sc.DiscoveryConfig(query_vote="conformal")
-    # the per-type threshold needs the folds too, but without them it falls back to the
-    # in-sample rule (novelty_folds=0 is how a user skips the warm-ups); the booleans of
-    # models saved by 0.2.0 still load, True as the cap and False as the in-sample rule
+    with pytest.raises(ValueError, match='"per_type" or "none"'):  # the retired cap
+        orca_sc.DiscoveryConfig(cross_fit_threshold="cap")
+    # the per-type threshold needs the folds, but without them it falls back to the in-sample
+    # rule (novelty_folds=0 is how a user skips the warm-ups)
     assert orca_sc.DiscoveryConfig(novelty_folds=0).cross_fit_threshold == "per_type"
-    assert orca_sc.DiscoveryConfig(cross_fit_threshold=True).cross_fit_threshold == "cap"
     # `--set cross_fit_threshold=none` and `--set integration=none` read the word as None
     none = orca_sc.DiscoveryConfig(cross_fit_threshold=None, integration=None)
     assert (none.cross_fit_threshold, none.integration) == ("none", "none")
+    # models saved by 0.2.0 still load: False as the in-sample rule, True (the retired cap) as
+    # today's default
     old = {**OrcaConfig().to_dict(), "discovery": {"cross_fit_threshold": False}}
     assert OrcaConfig.from_dict(old).discovery.cross_fit_threshold == "none"
+    old = {**OrcaConfig().to_dict(), "discovery": {"cross_fit_threshold": "cap"}}
+    assert OrcaConfig.from_dict(old).discovery.cross_fit_threshold == "per_type"
 
 
 def test_simulator_is_seeded_and_realistic():
@@ -422,10 +411,9 @@ def test_calibrate_resolution_follows_the_granularity_of_the_labels():
     naming the groups calibrate a coarser resolution than labels naming the sub-types; one
     class cannot be calibrated.
     """
-    from orca_sc import DiscoveryConfig
     from orca_sc._discover import calibrate_resolution
 
-    defaults = DiscoveryConfig()
+    defaults = DiscoveryRules()
 
     rng = np.random.default_rng(0)
     centers = rng.normal(0, 30, (4, 10))
@@ -452,7 +440,7 @@ def test_calibrate_resolution_follows_the_granularity_of_the_labels():
     # when there is nothing to calibrate against
     from orca_sc._discover import resolve_resolution
 
-    two = DiscoveryConfig(resolution=2)
+    two = DiscoveryRules(resolution=2)
     assert resolve_resolution(fine, lambda idx: emb[idx], cfg=two) == (2.0, [])
     assert resolve_resolution(fine, lambda idx: emb[idx]) == (r_fine, s_fine)
     auto_off = resolve_resolution(fine, lambda idx: emb[idx], calibrate=False)
@@ -557,7 +545,7 @@ def test_small_query_keeps_its_known_cells_with_pairs_in_the_expression_pca():
 
     task = dev_suite(None, only=["sim_queries1_q180"])[0].make(0)
     for space, known_ok in (("query_pca", True), ("both", False)):
-        a, q = annotate_task(task, 0, pair_space=space)
+        a, q = annotate_task(task, 0, ablation=Ablation(pair_space=space))
         novel = np.isin(a.obs["truth"].to_numpy()[q], task.novel)
         called = a.obs["orca_novel"].notna().to_numpy()[q]
         assert called[novel].mean() >= 0.9
@@ -622,27 +610,19 @@ def test_match_known_types_finds_a_rare_reference_type_not_a_novel_one():
     ("field", "value"),
     [
         ("merge_threshold", 0.0),
-        ("anchor_epochs", -1),
-        ("anchor_weight", -0.5),
         ("merge_threshold", 1.5),
         ("merge_threshold", True),
         ("n_genes", 1),
         ("hidden_dims", (64,)),
         ("dropout", 1.0),
         ("epochs", 0),
-        ("min_steps", -1),
         ("warmup_epochs", -2),
         ("lr", 0.0),
         ("resolution", -1.0),
         ("resolution", "fine"),
-        ("eta2", -0.1),
-        ("prior", "flat"),
         ("alignment", "magic"),
         ("device", "tpu"),
         ("seed", 1.5),
-        ("pair_space", "raw"),
-        ("pair_pcs", 1),
-        ("mutual_pairs", -1),
     ],
 )
 def test_every_config_field_is_validated(field, value):
@@ -656,12 +636,19 @@ def test_every_config_field_is_validated(field, value):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
+        ("anchor_epochs", -1),
+        ("anchor_weight", -0.5),
+        ("eta2", -0.1),
+        ("prior", "flat"),
+        ("pair_space", "raw"),
+        ("pair_pcs", 1),
+        ("mutual_pairs", -1),
+        ("epoch_min_steps", -1),
         ("ood_quantile", 1.5),
         ("resolution_grid", ()),
         ("resolution_grid", (0.5, -1)),
         ("fallback_resolution", 0),
         ("calibration_cells", 0),
-        ("n_neighbors", 1),
         ("n_pcs", 1),
         ("max_cells", 0),
         ("min_novel_cells", 0),
@@ -675,14 +662,28 @@ def test_every_config_field_is_validated(field, value):
         ("query_min_enrichment", -2),
         ("core_min_agree", 1.2),
         ("core_min_fraction", -0.2),
-        ("anchor_significant", 1),
+        ("anchor_supported", 1),
         ("no_warmup_rel_threshold", 3),
-        ("pca_input", "counts"),
         ("query_vote_cells", 10),
         ("query_vote_cells", 2500.0),
-        ("query_scores", "fold"),
+    ],
+)
+def test_every_method_setting_is_validated(field, value):
+    """The benchmark's settings (the paper's ablations, the rules' constants) are validated as
+    the options are.
+    """
+    with pytest.raises(ValueError, match=f"Invalid {field}="):
+        Ablation.of(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n_neighbors", 1),
+        ("pca_input", "counts"),
         ("discovery_cells", 500),
         ("discovery_cells", 2e4),
+        ("calibration_fraction", 1.5),
     ],
 )
 def test_every_discovery_field_is_validated(field, value):
@@ -691,9 +692,7 @@ def test_every_discovery_field_is_validated(field, value):
 
 
 def test_discovery_config_round_trips_and_refuses_unknown_keys():
-    cfg = OrcaConfig(n_genes=50).replace(
-        merge_threshold=None, resolution=0.3, query_vote_cells=3000, query_scores="folds"
-    )
+    cfg = OrcaConfig(n_genes=50).replace(merge_threshold=None, resolution=0.3, n_neighbors=20)
     assert OrcaConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.discovery.resolution == 0.3 and cfg.discovery.merge_threshold is None
     # a discovery option at the top level is not an OrcaConfig field
@@ -712,6 +711,10 @@ def test_discovery_config_round_trips_and_refuses_unknown_keys():
     assert OrcaConfig.from_dict(old) == cfg
     with pytest.raises(TypeError, match="ood_ensemble"):
         orca_sc.DiscoveryConfig(ood_ensemble=2)
+    # and one saved when the method's settings and the retired alternatives were options
+    old |= {"margin": "adaptive", "min_steps": 300, "stop_every_epoch": False, "weight_decay": 0}
+    old["discovery"] |= {"query_vote": "contrast", "ood_quantile": 0.01, "share_vote_test": True}
+    assert OrcaConfig.from_dict(old) == cfg
     with pytest.raises(ValueError, match="Unknown configuration keys"):
         orca_sc.DiscoveryConfig.from_dict({"bogus": 1})
 

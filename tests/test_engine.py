@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, open_world
+from conftest import FAST, FAST_LAB, FAST_OPTIONS, open_world
 
 import orca_sc
 from orca_sc._dist import active_shard, sharded
@@ -141,7 +141,7 @@ def annotated_twice():
     """The same small run with and without hooks installed."""
     a = orca_sc.datasets.simulate(600, 300, 5, markers_per_type=30, marker_fold=5.0, seed=3)
     a = open_world(a, ["type_0", "type_1", "type_2"])
-    cfg = FAST | {"stop_min_steps": 0}
+    cfg = FAST | {"ablation": FAST_LAB.replace(stop_min_steps=0)}
     plain = a.copy()
     orca_sc.tl.annotate(plain, labels_key="lab", **cfg)
     watched = a.copy()
@@ -176,14 +176,13 @@ def test_hooks_see_every_stage_and_check_and_change_nothing(annotated_twice):
 def test_a_trace_that_runs_the_schedule_trains_every_epoch():
     a = orca_sc.datasets.simulate(400, 200, 4, markers_per_type=30, marker_fold=5.0, seed=1)
     a = open_world(a, ["type_0", "type_1"])
-    cfg = FAST | {"stop_min_steps": 0, "min_steps": 400, "novelty_folds": 0}
+    lab = FAST_LAB.replace(stop_min_steps=0, epoch_min_steps=80)
+    cfg = FAST | {"ablation": lab, "novelty_folds": 0}
     plain = a.copy()
     orca_sc.tl.annotate(plain, labels_key="lab", **cfg)
     with observe(StopTrace(run_schedule=True)) as (trace,):
         orca_sc.tl.annotate(a, labels_key="lab", **cfg)
-    plan = schedule(
-        a.n_obs, orca_sc.OrcaConfig(**{k: v for k, v in cfg.items() if k != "novelty_folds"})
-    )
+    plan = schedule(a.n_obs, orca_sc.OrcaConfig(**FAST_OPTIONS), lab)
     stopped = plain.uns["orca"]["history"]["stopped"]
     assert "converged" in set(stopped) and len(stopped) < plan.n_epochs
     hist = a.uns["orca"]["history"]

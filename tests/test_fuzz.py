@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import orca_sc
 from orca_sc import OrcaInputError
+from orca_sc._ablation import Ablation
 from orca_sc.cli import main
 
 N_API = int(os.environ.get("ORCA_FUZZ_EXAMPLES", 40))
@@ -30,18 +31,15 @@ TINY = {
     "hidden_dims": (16, 8),
     "epochs": 2,
     "warmup_epochs": 1,
-    "min_steps": 4,
     "batch_size": 16,
     "progress": False,
-    "min_shared_genes": 2,
+    "ablation": Ablation(epoch_min_steps=2, min_shared_genes=2),
 }
 TINY_ARGS = [
     "--epochs",
     "2",
     "--warmup-epochs",
     "1",
-    "--min-steps",
-    "4",
     "--batch-size",
     "16",
     "-q",

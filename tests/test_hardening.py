@@ -127,7 +127,6 @@ def test_reference_that_is_an_annotated_query(tmp_path):
         ("lr", float("nan"), "Invalid lr=nan"),
         ("seed", -1, "Invalid seed=-1"),
         ("target_sum", float("inf"), "Invalid target_sum=inf"),
-        ("eta1", float("nan"), "Invalid eta1=nan"),
         ("device", "cuda:x", "Invalid device='cuda:x'"),
         ("resolution", float("inf"), "Invalid resolution=inf"),
     ],
@@ -307,7 +306,7 @@ def test_value_messages_say_what_is_wrong():
     keep = np.r_[np.zeros(150), np.ones(other.n_vars - 150)]
     other.X = sp.csr_matrix(other.X @ sp.diags(keep))  # no expression in the shared genes
     with pytest.raises(OrcaInputError, match="the query have no non-zero values in the 150 genes"):
-        orca_sc.tl.annotate(other, ref, labels_key="cell_type", min_shared_genes=100)
+        orca_sc.tl.annotate(other, ref, labels_key="cell_type")
     text = query.copy()
     text.X = np.full(text.shape, "1", dtype=object)
     with pytest.raises(OrcaInputError, match="has dtype object; expression values must be numbers"):

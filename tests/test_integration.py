@@ -6,7 +6,7 @@ same seed, and the suite's figures of mixing, separation and over-correction.
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import FAST, FAST_ARGS, LABELS_ONLY
+from conftest import FAST, FAST_ARGS, FAST_LAB, FAST_OPTIONS, LABELS_ONLY
 
 import orca_sc
 from orca_sc import benchmark as B
@@ -247,13 +247,13 @@ def test_the_pca_input_test_names_each_labelled_cell_by_its_nearest_labelled_cel
 
     a = orca_sc.datasets.simulate(600, 300, 5, markers_per_type=30, marker_fold=1.5, seed=3)
     a = open_world(a, ["type_0", "type_1", "type_2"])
-    run = run_context(a, None, "lab", orca_sc.OrcaConfig(**FAST))
+    run = run_context(a, None, "lab", orca_sc.OrcaConfig(**FAST_OPTIONS), FAST_LAB)
     record = choose_pca_input(run, run.residuals_fit())
     d, t, k = run.data, run.transform, run.config.discovery.n_neighbors
     lab = np.flatnonzero(d.labels >= 0)
     y = d.labels[lab]
     for res, key in ((None, "knn_accuracy_log"), (run.residuals_fit(), "knn_accuracy_pearson")):
-        z = pca_embedding(d.X, d.domain, t.scale, t.offset, n_comps=run.config.discovery.n_pcs,
+        z = pca_embedding(d.X, d.domain, t.scale, t.offset, n_comps=run.rules.n_pcs,
                           seed=run.config.seed, rows=lab, residuals=res)  # fmt: skip
         nb = y[NearestNeighbors(n_neighbors=k).fit(z).kneighbors(return_distance=False)]
         votes = np.stack([(nb == c).sum(axis=1) for c in range(int(y.max()) + 1)], axis=1)

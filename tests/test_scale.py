@@ -10,7 +10,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 from click.testing import CliRunner
-from conftest import FAST, SHARED_DATA
+from conftest import FAST, FAST_LAB, SHARED_DATA
 
 import orca_sc
 import orca_sc._read as read_mod
@@ -411,7 +411,7 @@ def test_same_seed_same_result_with_two_threads():
         for _ in range(2):
             q = query.copy()
             # a short schedule: a varying order of the sum shows in the first steps
-            short = {**FAST, "min_steps": 40}
+            short = {**FAST, "ablation": FAST_LAB.replace(epoch_min_steps=8)}
             orca_sc.tl.annotate(q, ref, labels_key="cell_type", **short, novelty_folds=0)
             assert q.uns["orca"]["training"]["layout"] == "sparse"
             assert 0 < q.uns["orca"]["training"]["density"] <= 0.2  # SPARSE_MAX_DENSITY

@@ -13,10 +13,11 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 import torch
-from conftest import FAST, LABELS_ONLY
+from conftest import FAST, FAST_OPTIONS, LABELS_ONLY
 
 import orca_sc
-from orca_sc import DiscoveryConfig, OrcaConfig, OrcaModel
+from orca_sc import OrcaConfig, OrcaModel
+from orca_sc._ablation import Ablation, DiscoveryRules
 from orca_sc._discover import Discovery, DiscoveryInput, discover, pca_embedding
 from orca_sc._train import CellMatrix, NovelHeads, TrainRandom, fit_open_world, fit_warmup, schedule
 
@@ -65,14 +66,14 @@ def test_discover_on_arrays_returns_the_documented_fields():
     held = found.anchor_cells[~on_novel]
     assert held.size > 0 and (labels[held] == -1).all() and (truth[held] < 3).all()
     np.testing.assert_array_equal(found.anchor_heads[~on_novel], truth[held])
-    off = _discover_blobs(x, labels, cfg=DiscoveryConfig(anchor_supported=False))
+    off = _discover_blobs(x, labels, cfg=DiscoveryRules(anchor_supported=False))
     assert (off.anchor_heads >= 3).all()
     assert found.diagnostics["n_novel"] == 2 and "resolution" in found.diagnostics
     # n_novel given above the estimate: extra heads start at random directions
     more = _discover_blobs(x, labels, n_novel=4)
     assert more.n_heads == 4 and more.n_novel == 2
-    # every knob of the stage is a DiscoveryConfig field: every cell "supported by labels" -> none
-    off = _discover_blobs(x, labels, cfg=DiscoveryConfig(support_fraction=0, support_min=0))
+    # every knob of the stage is a DiscoveryRules field: every cell "supported by labels" -> none
+    off = _discover_blobs(x, labels, cfg=DiscoveryRules(support_fraction=0, support_min=0))
     assert off.n_novel == 0 and off.diagnostics["n_supported_by_labels"] >= (truth >= 3).sum()
 
 
@@ -95,7 +96,7 @@ def test_size_check_repeats_discovery_on_a_sample_and_says_where_they_disagree()
     assert rec["agrees"] and same.notes == found.notes and same.n_novel == found.n_novel
     np.testing.assert_array_equal(same.assign, found.assign)  # labels are not touched
     # all the cells find nothing (every cell supported by labels), the sample finds the two types
-    none = _discover_blobs(x, labels, cfg=DiscoveryConfig(support_fraction=0, support_min=0))
+    none = _discover_blobs(x, labels, cfg=DiscoveryRules(support_fraction=0, support_min=0))
     told = size_check(none, truth.size, on, sample_cells=200)
     assert not told.diagnostics["size_check"]["agrees"] and told.n_novel == 0
     assert len(told.notes) == len(none.notes) + 1
@@ -132,7 +133,7 @@ def test_discovery_n_neighbors_reaches_every_graph(monkeypatch):
     used = []
     orig = D.knn_graph
     monkeypatch.setattr(D, "knn_graph", lambda e, k=15: used.append(k) or orig(e, k))
-    found = _discover_blobs(x, labels, cfg=DiscoveryConfig(n_neighbors=7))
+    found = _discover_blobs(x, labels, cfg=DiscoveryRules(n_neighbors=7))
     assert found.n_novel == 2
     assert len(used) >= 2 and set(used) == {7}  # calibration, candidate clusters
 
@@ -153,9 +154,9 @@ def test_trainer_runs_on_arrays_and_knows_nothing_of_tl():
     labels = np.where((truth < 2) & (np.arange(truth.size) % 2 == 0), truth, -1).astype(np.int64)
     dom = np.zeros(truth.size, dtype=np.int64)
     ones, zeros = np.ones((1, 200), np.float32), np.zeros((1, 200), np.float32)
-    cfg = OrcaConfig(epochs=6, warmup_epochs=2, min_steps=0, progress=False, hidden_dims=(32, 16))
+    cfg = OrcaConfig(epochs=6, warmup_epochs=2, progress=False, hidden_dims=(32, 16))
     cells = CellMatrix(X, dom, ones, zeros, torch.device("cpu"))
-    plan = schedule(X.shape[0], cfg)
+    plan = schedule(X.shape[0], cfg, Ablation(epoch_min_steps=0))
     rand = TrainRandom(0, torch.device("cpu"))
     net, hist = fit_warmup(cells, labels, 2, cfg, plan, rand)
     assert net.n_heads == 2 and len(hist) == 2 and all(h["warmup"] for h in hist)
@@ -295,7 +296,7 @@ def test_explicit_keyword_wins_over_config(small_sim):
     even though 2000 is the default; options not given come from ``config``; discovery
     fields go into ``config.discovery``.
     """
-    cfg = OrcaConfig(**{**FAST, "n_genes": 100, "seed": 5})
+    cfg = OrcaConfig(**{**FAST_OPTIONS, "n_genes": 100, "seed": 5})
     a = orca_sc.tl.annotate(
         small_sim, labels_key="lab", config=cfg, n_genes=2000, merge_threshold=0.9, copy=True,
         **LABELS_ONLY,
@@ -511,7 +512,7 @@ def test_threshold_capped_by_cross_fitted_cosines():
     fitted = rng.uniform(0.8, 1.0, 400)  # cells the warm-up fitted: close to their heads
     unseen = rng.uniform(0.2, 1.0, 400)  # the same cells in nets that did not see them
     train, none = np.ones(400, bool), np.zeros(400, bool)
-    cfg = DiscoveryConfig()
+    cfg = DiscoveryRules()
     tau, info = ood_threshold(fitted, train, none, cfg)
     assert tau == info["threshold_in_sample"] == pytest.approx(np.quantile(fitted, 0.01))
     assert "threshold_cross_fitted" not in info
@@ -714,9 +715,7 @@ def test_a_set_of_points_is_searched_once_per_neighbour_count_within_a_run(monke
     other = emb + np.float32(1e-3) * rng.normal(size=emb.shape).astype(np.float32)
     searched = []
     real = compute._kneighbors
-    monkeypatch.setattr(
-        compute, "_kneighbors", lambda e, k, q: searched.append(k) or real(e, k, q)
-    )
+    monkeypatch.setattr(compute, "_kneighbors", lambda e, k, q: searched.append(k) or real(e, k, q))
     fresh = compute.kneighbors(emb, 15)
     with compute.neighbours_once():
         first = compute.kneighbors(emb, 15)
@@ -779,50 +778,6 @@ def test_conformal_query_vote_does_not_move_with_the_number_of_cells():
         # the share vote at the 5% quantile of the held-out cosines
         flagged = maxcos[cells] < np.quantile(held, 0.05) - 0.05
         assert flagged[:n].mean() < 0.12 and flagged[n:].mean() < 0.5
-
-
-def test_fold_query_pvalues_compare_each_net_with_its_own_held_out_cells():
-    """With ``query_scores="folds"`` a query cell's p-value ranks its cosine in each fold's net
-    among the cosines of the cells held out of that net alone. Nets that fit their cells to
-    different degrees (here fold f's cosines all offset by 0.1 * f, held-out and query cells
-    alike) then give the p-values of one net: uniform for a known type's cells, low for a type
-    below them; pooling the held-out cosines of every net against one net's query cosines (what
-    the main warm-up's cosines against the fold nets' are) does not. The batch's shift of a type
-    (here -0.05) is taken out; types with too few held-out cells get no p-value.
-    """
-    from orca_sc._discover import fold_query_pvalues
-
-    rng = np.random.default_rng(4)
-    n_folds, n_held, n_q = 5, 500, 3_000
-    n_nov = n_q // 5  # a novel type is a minority of the cells its head claims
-    folds = np.r_[np.arange(n_held) % n_folds, np.full(n_q + n_nov + 10, -1)]
-    labels = np.r_[np.zeros(n_held, int), np.full(n_q + n_nov + 10, -1)]
-    predicted = np.r_[np.zeros(n_held + n_q + n_nov, int), np.ones(10, int)]
-    offset = 0.1 * np.arange(n_folds)[:, None]
-    n = labels.size
-    held_out = np.full(n, np.nan)
-    held_out[:n_held] = rng.normal(0.35, 0.1, n_held) + offset[folds[:n_held], 0]
-    fold_cos = np.full((n_folds, n), np.nan)
-    cells = np.arange(n_held, n)
-    known = rng.normal(0.30, 0.1, (n_folds, n_q))  # type 0, shifted down by the batch
-    novel = rng.normal(0.20, 0.1, (n_folds, n_nov))  # a type below it, claimed by its head
-    fold_cos[:, cells] = np.c_[known, novel, rng.normal(0.3, 0.1, (n_folds, 10))] + offset
-    domain = np.r_[np.zeros(n_held, int), np.ones(n - n_held, int)]
-    p, mean_cos = fold_query_pvalues(fold_cos, folds, predicted, labels, held_out, domain,
-                                     cells, 20)  # fmt: skip
-    assert np.isnan(p[:n_held]).all() and np.isnan(mean_cos[:n_held]).all()
-    assert np.isnan(p[-10:]).all()  # type 1 has no held-out cells
-    p_known, p_novel = p[n_held : n_held + n_q], p[n_held + n_q : n_held + n_q + n_nov]
-    assert p_known.mean() == pytest.approx(0.5, abs=0.05)
-    assert (p_known <= 0.05).mean() < 0.08
-    assert p_novel.mean() < 0.36
-    np.testing.assert_allclose(mean_cos[cells], fold_cos[:, cells].mean(axis=0))
-    # one net's query cosines against every net's held-out cosines: not uniform
-    from orca_sc._discover import query_pvalues
-
-    mixed = query_pvalues(np.where(np.isnan(held_out), fold_cos[n_folds - 1], held_out),
-                          predicted, labels, held_out, domain, cells, {1: [-0.05, None]}, 20)  # fmt: skip
-    assert mixed[n_held : n_held + n_q].mean() > 0.65
 
 
 def test_conformal_query_vote_needs_an_effect_and_enough_cells():
@@ -1073,25 +1028,3 @@ def test_share_vote_test_reads_clusters_with_few_p_values():
     assert len(tested) == 2 and tested[0] < 0.001 < 0.05 < tested[1]
     # the mean p-value is recorded wherever the test could read one (the note names it)
     assert [v["share"] for v in votes if v["mean_p"] is None] == [True]
-
-
-def test_query_vote_reads_the_fold_nets_with_query_scores_folds(small_sim):
-    """With ``query_scores="folds"`` a separate query's vote reads its cells' cosines in the
-    cross-fitted warm-ups (each against the cells held out of the same net): the run finds both
-    novel types of the small simulation and calls no known-type cell novel, as with the main
-    warm-up's cosines, while the clusters' mean p-values are those of the other scores.
-    """
-    lab = small_sim.obs["lab"].notna().to_numpy()
-    ref, means = small_sim[lab].copy(), {}
-    for scores in ("warmup", "folds"):
-        query = small_sim[~lab].copy()
-        orca_sc.tl.annotate(query, ref, labels_key="lab", query_scores=scores, **FAST)
-        truth = query.obs["cell_type"].astype(str)
-        novel = query.obs["orca_novel"]
-        for t in ("type_3", "type_4"):
-            assert novel[truth == t].notna().mean() > 0.9, scores
-        assert novel[~truth.isin(["type_3", "type_4"])].notna().mean() < 0.05, scores
-        votes = query.uns["orca"]["estimate"]["query_votes"]
-        means[scores] = np.asarray(votes["mean_p"], dtype=float)
-    assert means["warmup"].shape == means["folds"].shape
-    assert not np.allclose(means["warmup"], means["folds"], equal_nan=True)

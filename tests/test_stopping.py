@@ -1,4 +1,4 @@
-"""The stopping rule of training (``OrcaConfig.stop_tolerance``): where checks fall, that a phase
+"""The stopping rule of training (``Ablation.stop_tolerance``): where checks fall, that a phase
 stops only when its stated criterion holds, that stopping costs no accuracy on data the model
 has learnt, and that the run's record says why and when each phase stopped.
 """
@@ -11,6 +11,7 @@ from conftest import LABELS_ONLY, open_world
 
 import orca_sc
 from orca_sc import OrcaConfig
+from orca_sc._ablation import Ablation
 from orca_sc._train import CellMatrix, StopRule, stop_rule, stop_state
 
 
@@ -43,28 +44,18 @@ def test_the_sample_is_fixed_by_the_seed_and_tolerance_zero_is_the_schedule():
     assert np.unique(a.sample).size == 2000 and a.sample.max() < 10_000
     assert not np.array_equal(a.sample, stop_rule(10_000, cfg.replace(seed=4)).sample)
     assert stop_rule(50, cfg).sample.size == 50
-    assert stop_rule(10_000, cfg.replace(stop_tolerance=0)) is None
-
-
-def test_checks_are_an_epoch_apart_where_an_epoch_has_more_steps():
-    cfg = OrcaConfig(stop_check_steps=25, stop_every_epoch=True)
-    assert stop_rule(10_000, cfg, steps_per_epoch=40).every == 40
-    assert stop_rule(10_000, cfg, steps_per_epoch=10).every == 25
-    assert stop_rule(10_000, cfg.replace(stop_every_epoch=False), steps_per_epoch=40).every == 25
-    assert stop_rule(10_000, OrcaConfig(), steps_per_epoch=40).every == 25  # the default
-    warm = cfg.replace(stop_every_epoch="warm-up")  # the warm-ups a pass apart, not the fit
-    assert stop_rule(10_000, warm, steps_per_epoch=40, phase="warm-up").every == 40
-    assert stop_rule(10_000, warm, steps_per_epoch=40, phase="open-world").every == 25
+    assert stop_rule(10_000, cfg, Ablation(stop_tolerance=0)) is None
+    assert stop_rule(10_000, cfg, Ablation(stop_check_steps=7)).every == 7
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
     [("stop_tolerance", 1.5), ("stop_tolerance", -0.1), ("stop_check_steps", 0),
-     ("stop_min_steps", -1), ("stop_every_epoch", "yes")],
+     ("stop_min_steps", -1)],
 )  # fmt: skip
-def test_stopping_options_are_validated(field, value):
+def test_stopping_settings_are_validated(field, value):
     with pytest.raises(orca_sc.OrcaInputError, match=field):
-        OrcaConfig(**{field: value})
+        Ablation(**{field: value})
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +65,8 @@ def separable():
     return open_world(a, [f"type_{i}" for i in range(4)])
 
 
-OPTS = {"n_genes": None, "progress": False, "stop_min_steps": 50, "stop_check_steps": 10,
-        **LABELS_ONLY}  # fmt: skip
+LAB = Ablation(stop_min_steps=50, stop_check_steps=10)
+OPTS = {"n_genes": None, "progress": False, "ablation": LAB, **LABELS_ONLY}
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +94,23 @@ def test_a_phase_stops_when_its_criterion_holds_and_not_before(separable, stoppe
     assert list(h["stopped"]).count("converged") >= 1 and h["stopped"][-1] == "converged"
     assert a.uns["orca"]["training"]["steps"] == sum(p["steps"] for p in phases.values())
     # the paper's schedule (tolerance 0): every step runs, and is no more accurate here
-    full = orca_sc.tl.annotate(separable, labels_key="lab", copy=True, stop_tolerance=0, **OPTS)
+    full = orca_sc.tl.annotate(
+        separable,
+        labels_key="lab",
+        copy=True,
+        **{**OPTS, "ablation": LAB.replace(stop_tolerance=0)},
+    )
     for ph in full.uns["orca"]["training"]["phases"].values():
         assert ph["stopped"] == "schedule" and ph["steps"] == ph["max_steps"]
         assert np.isnan(ph["changed"])
     assert _accuracy(full) > 0.9 and _accuracy(a) >= _accuracy(full) - 0.01
     # a tolerance no run can meet (no cell may change, ever) is the schedule again
     strict = orca_sc.tl.annotate(
-        separable, labels_key="lab", copy=True, **{**OPTS, "stop_tolerance": 1e-9,
-                                                    "stop_min_steps": 10**6}
-    )  # fmt: skip
+        separable,
+        labels_key="lab",
+        copy=True,
+        **{**OPTS, "ablation": LAB.replace(stop_tolerance=1e-9, stop_min_steps=10**6)},
+    )
     for ph in strict.uns["orca"]["training"]["phases"].values():
         assert ph["stopped"] == "schedule" and ph["steps"] == ph["max_steps"]
 
@@ -124,35 +122,18 @@ def test_same_seed_same_stop(separable, stopped):
     assert (a.obs["orca_label"] == b.obs["orca_label"]).all()
 
 
-def test_a_phase_of_long_epochs_is_checked_after_whole_passes(separable):
-    """Batches of 100 make 30 steps an epoch, more than the 10 steps between checks: every check
-    of every phase (warm-ups and open-world fit) falls at the end of an epoch, so the heads and
-    the loss are compared pass against pass; with ``stop_every_epoch=False`` (the default)
-    every 10 steps.
+def test_checks_fall_every_so_many_steps_in_every_phase(separable):
+    """Batches of 100 make 30 steps an epoch: the checks of every phase (warm-ups and open-world
+    fit) fall every 10 steps, across epochs, and the record says so.
     """
     from orca_sc._engine import observe
     from orca_sc.benchmark._hooks import StopTrace
 
-    def check_steps(**kw):
-        with observe(StopTrace()) as (trace,):
-            a = orca_sc.tl.annotate(
-                separable, labels_key="lab", copy=True, **{**OPTS, "batch_size": 100, **kw}
-            )
-        return a, [(r["phase"], r["step"]) for r in trace.rows]
-
-    a, checks = check_steps(stop_every_epoch=True)
-    assert checks and all(step % 30 == 0 for _, step in checks)
+    with observe(StopTrace()) as (trace,):
+        a = orca_sc.tl.annotate(
+            separable, labels_key="lab", copy=True, **{**OPTS, "batch_size": 100}
+        )
+    checks = [(r["phase"], r["step"]) for r in trace.rows]
     assert {p.split(":")[1] for p, _ in checks} == {"warm-up", "open-world"}
-    phases = a.uns["orca"]["training"]["phases"]
-    assert phases["open-world"]["stopped"] == "converged"
-    assert {ph["check_steps"] for ph in phases.values()} == {30}
-    b, fixed = check_steps()
-    assert {ph["check_steps"] for ph in b.uns["orca"]["training"]["phases"].values()} == {10}
-    assert all(step % 10 == 0 for _, step in fixed) and any(step % 30 for _, step in fixed)
-    # "warm-up": the warm-ups (the main one and the fold copies) a pass apart, the fit not
-    c, mixed = check_steps(stop_every_epoch="warm-up")
-    phases = c.uns["orca"]["training"]["phases"]
-    assert phases["warm-up"]["check_steps"] == 30 and phases["open-world"]["check_steps"] == 10
-    warm = [step for p, step in mixed if p.endswith(":warm-up")]
-    assert warm and all(step % 30 == 0 for step in warm)
-    assert all(step % 10 == 0 for p, step in mixed if p.endswith(":open-world"))
+    assert {ph["check_steps"] for ph in a.uns["orca"]["training"]["phases"].values()} == {10}
+    assert all(step % 10 == 0 for _, step in checks) and any(step % 30 for _, step in checks)

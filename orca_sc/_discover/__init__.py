@@ -1,6 +1,7 @@
 """The ``discover`` stage: candidate novel clusters, the number of novel types, and which novel
 clusters are known types after all. Every rule that decides these lives in this package, one
-module per test, and every knob is a field of :class:`orca_sc.DiscoveryConfig`. Arrays in, a
+module per test, and every parameter is a field of :class:`orca_sc._ablation.DiscoveryRules`
+(the user's :class:`orca_sc.DiscoveryConfig` and the rules' constants). Arrays in, a
 frozen :class:`Discovery` out: no AnnData, and torch only where a GPU run computes its PCAs and
 neighbours on the device (:mod:`.compute`).
 
@@ -25,17 +26,17 @@ repeats discovery on a sample of large data and says where the call depends on t
 cells.
 
 Leiden runs directly on igraph (exact kNN graph from scikit-learn, or from torch on a GPU run),
-on at most ``DiscoveryConfig.max_cells`` cells.
+on at most ``DiscoveryRules.max_cells`` cells.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from .._config import DiscoveryConfig
+from .._ablation import DiscoveryRules
 from ._stage import Discovery, _diagnostics, _notes, _once_per_cell_set
 from .graph import (
     PearsonResiduals,
@@ -63,7 +64,6 @@ from .ood import (
     _rank_by_size,
     calibration_split,
     cells_for_quantile,
-    fold_query_pvalues,
     ood_clusters,
     ood_threshold,
     query_ood_clusters,
@@ -77,7 +77,7 @@ from .ood import (
 from .scale import size_check
 from .self_check import SelfCheckSplit, self_check_report, self_check_split, youden_threshold
 
-_DEFAULTS = DiscoveryConfig()
+_DEFAULTS = DiscoveryRules()
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,11 @@ class DiscoveryInput:
     domain_names: list[str] | None = None
     held_out_similarity: np.ndarray | None = None
     class_names: list[str] | None = None
-    fold_similarity: np.ndarray | None = None
-    folds: np.ndarray | None = None
 
 
 def discover(
     cells: DiscoveryInput,
-    cfg: DiscoveryConfig = _DEFAULTS,
+    cfg: DiscoveryRules = _DEFAULTS,
     *,
     n_novel: int | str = "auto",
     seed: int = 0,
@@ -138,9 +136,6 @@ def discover(
     per_type = cfg.cross_fit_threshold == "per_type" and held_out is not None
     tau, tau_info = ood_threshold(maxcos, lab & ~calib, calib, cfg, None if per_type else held_out)
     cell_tau, shift_said, pvalues, votes = None, [], None, []
-    # the query vote's scores read in the cross-fitted warm-ups (query_scores="folds")
-    use_folds = cfg.query_scores == "folds" and cells.fold_similarity is not None
-    vote_cos = maxcos
     if per_type:
         cell_tau, record = type_thresholds(
             maxcos, predicted, labels, held_out, query, domain, tau,
@@ -153,18 +148,11 @@ def discover(
                     "shift_kept": kept}  # fmt: skip
         shift_said = shift_notes(record, domain_names, cells.class_names,
                                  cells_for_quantile(cfg.novelty_alpha))  # fmt: skip
-        if cfg.query_vote != "share" and query.any():
-            if use_folds:
-                pvalues, fold_cos = fold_query_pvalues(
-                    cells.fold_similarity, cells.folds, predicted, labels, held_out, domain,
-                    np.flatnonzero(query), cells_for_quantile(cfg.novelty_alpha),
-                )  # fmt: skip
-                vote_cos = np.where(np.isfinite(fold_cos), fold_cos, maxcos)
-            else:
-                pvalues = query_pvalues(
-                    maxcos, predicted, labels, held_out, domain, np.flatnonzero(query),
-                    record["query_shift"], cells_for_quantile(cfg.novelty_alpha),
-                )  # fmt: skip
+        if query.any():  # the query vote's conformal p-values
+            pvalues = query_pvalues(
+                maxcos, predicted, labels, held_out, domain, np.flatnonzero(query),
+                record["query_shift"], cells_for_quantile(cfg.novelty_alpha),
+            )  # fmt: skip
     assign, sizes, tau = ood_clusters(
         maxcos, lab, pca_cells, threshold=tau, quantile=cfg.ood_quantile,
         resolution=resolution, seed=seed, exclude=ev.supported | query,
@@ -172,11 +160,12 @@ def discover(
     )  # fmt: skip
     # the same cells below their threshold as in ood_clusters, before its include/exclude
     ood = maxcos < (tau if cell_tau is None else cell_tau)
-    claimed = predicted if cfg.query_vote == "contrast" and pvalues is not None else None
+    # the contrast vote where there are p-values; the share vote alone without them
+    claimed = predicted if pvalues is not None else None
     bar = None
     if claimed is not None:  # how far below its type a piece of a labelled type sits
         spread = type_spread(held_out, labels, seen_similarity.shape[1])
-        bar = ContrastBar(vote_cos, spread, reference_gaps(
+        bar = ContrastBar(maxcos, spread, reference_gaps(
             held_out, labels, domain, np.flatnonzero(lab & np.isfinite(held_out)), pca_cells,
             spread, resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
             min_cells=cells_for_quantile(cfg.novelty_alpha), max_cells=cfg.query_vote_cells,
@@ -209,7 +198,7 @@ def discover(
     assign, sizes = _rank_by_size(assign, sizes, groups)
     k = len(sizes) if n_novel == "auto" else int(n_novel)
     significant = None
-    if cfg.anchor_significant and pvalues is not None:
+    if pvalues is not None:
         significant = significant_cells(pvalues, query, cfg.novelty_alpha)
     heads = _novel_heads(embedding, seen_similarity, labels, assign, (k, len(sizes)), pca_cells,
                          cfg, seed, significant)  # fmt: skip
@@ -228,7 +217,7 @@ def discover(
         prior=heads.prior, anchor_cells=anchor_cells, anchor_heads=anchor_heads, threshold=tau,
         diagnostics=_diagnostics(sizes, ev, domain_names, (resolution, scores), heads, groups,
                                  bool(query.any()), tau_info, calib,
-                                 cfg if pvalues is not None else replace(cfg, query_vote="share")),
+                                 cfg, contrast=pvalues is not None),
         notes=tuple(_notes(labels, n_seen, int(calib.sum()), cfg) + shift_said),
     )  # fmt: skip
 
@@ -258,7 +247,6 @@ __all__ = [
     "pca_embedding",
     "query_batch_cells",
     "query_ood_clusters",
-    "fold_query_pvalues",
     "query_pvalues",
     "resolve_resolution",
     "segregated_batches",

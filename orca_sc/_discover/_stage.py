@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from .._config import DiscoveryConfig
+from .._ablation import DiscoveryRules
 from .ood import QUERY_LEVEL, QUERY_MEAN_P
 
-_DEFAULTS = DiscoveryConfig()
+_DEFAULTS = DiscoveryRules()
 #: below this many unlabelled cells, discover notes that small novel types go undetected
 _SMALL_QUERY = 500
 #: below this median of labelled cells per seen class, discover notes that known types may be
@@ -71,7 +71,7 @@ def _once_per_cell_set(pca_of: Callable[[np.ndarray], np.ndarray]):
     return pca_cells
 
 
-def _notes(labels, n_seen: int, n_cal: int, cfg: DiscoveryConfig) -> list[str]:
+def _notes(labels, n_seen: int, n_cal: int, cfg: DiscoveryRules) -> list[str]:
     """Where the data cannot support a call: said to the user (``estimate['notes']``, log)."""
     lab = labels >= 0
     n_unl = int((~lab).sum())
@@ -102,7 +102,7 @@ def _notes(labels, n_seen: int, n_cal: int, cfg: DiscoveryConfig) -> list[str]:
     return notes
 
 
-def _method(resolution: float, has_query: bool, cfg: DiscoveryConfig) -> str:
+def _method(resolution: float, has_query: bool, cfg: DiscoveryRules, contrast: bool) -> str:
     """How the candidates were found, in words (``estimate['method']``)."""
     text = (
         f"Leiden clusters (resolution {resolution:g}) of cells below the "
@@ -114,13 +114,13 @@ def _method(resolution: float, has_query: bool, cfg: DiscoveryConfig) -> str:
             f"at least {cfg.query_min_fraction:.0%} (or {cfg.query_min_enrichment:g}x the "
             "batch's share) of such cells"
         )
-        if cfg.query_vote != "share":
+        if contrast:
             share += (
                 ", or whose cells score below the cross-fitted cosines of the known types that "
                 f"claim them (mean conformal p <= {QUERY_MEAN_P:g}, below 1/2 at level "
                 f"{QUERY_LEVEL:g})"
             )
-        if cfg.query_vote == "contrast":
+        if contrast:
             share += (
                 " and below that type's cells in the batch's clusters this leaves "
                 f"(Mann-Whitney at level {QUERY_LEVEL:g}, P(above) <= {QUERY_MEAN_P:g}), "
@@ -136,7 +136,7 @@ def _method(resolution: float, has_query: bool, cfg: DiscoveryConfig) -> str:
 
 def _diagnostics(sizes, ev, domain_names, resolution_scores, heads, groups,
                  has_query: bool, tau_info: dict, calib: np.ndarray,
-                 cfg: DiscoveryConfig) -> dict[str, Any]:  # fmt: skip
+                 cfg: DiscoveryRules, *, contrast: bool) -> dict[str, Any]:  # fmt: skip
     """The JSON-able figures of the stage (``uns['orca']['estimate']``)."""
     resolution, scores = resolution_scores
     return {
@@ -152,7 +152,7 @@ def _diagnostics(sizes, ev, domain_names, resolution_scores, heads, groups,
         "resolution_ari": dict(zip(map(str, cfg.resolution_grid), scores, strict=False)),
         "n_anchored": int(heads.core.sum()),
         "n_query_clusters": len(groups),
-        "method": _method(resolution, has_query, cfg),
+        "method": _method(resolution, has_query, cfg, contrast),
         **tau_info,
         "n_calibration": int(calib.sum()),
     }

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from .._ablation import DiscoveryRules
 from .._align import aligned_rows
-from .._config import DiscoveryConfig
 from . import compute
 
-_DEFAULTS = DiscoveryConfig()
+_DEFAULTS = DiscoveryRules()
 _CHUNK = 8192
 
 
@@ -253,7 +253,7 @@ def calibrate_resolution(
     pca_of: Callable[[np.ndarray], np.ndarray],
     *,
     seed: int = 0,
-    cfg: DiscoveryConfig = _DEFAULTS,
+    cfg: DiscoveryRules = _DEFAULTS,
 ) -> tuple[float, list[float]]:
     """The Leiden resolution at which clusters match the granularity of the given annotation.
 
@@ -290,7 +290,7 @@ def resolve_resolution(
     *,
     seed: int = 0,
     calibrate: bool = True,
-    cfg: DiscoveryConfig = _DEFAULTS,
+    cfg: DiscoveryRules = _DEFAULTS,
 ) -> tuple[float, list[float]]:
     """The Leiden resolution to use for ``cfg.resolution``, with its calibration scores: a number
     is used as given; ``"auto"`` is :func:`calibrate_resolution` on ``labels``, or

@@ -10,11 +10,11 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.sparse.csgraph import connected_components
 
-from .._config import DiscoveryConfig
+from .._ablation import DiscoveryRules
 from .._conformal import benjamini_hochberg
 from .compute import kneighbors
 
-_DEFAULTS = DiscoveryConfig()
+_DEFAULTS = DiscoveryRules()
 
 
 def cluster_cores(
@@ -106,7 +106,7 @@ class _Heads:
 
 
 def _novel_heads(embedding, seen_similarity, labels, assign, counts_k, pca_cells,
-                 cfg: DiscoveryConfig, seed: int,
+                 cfg: DiscoveryRules, seed: int,
                  significant: np.ndarray | None = None) -> _Heads:  # fmt: skip
     """Prototypes (candidate means; random beyond the candidates), the regulariser's prior and
     the anchored cells of the novel heads: the core cells (:func:`cluster_cores`) and, with

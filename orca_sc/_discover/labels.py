@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._config import DiscoveryConfig
+from .._ablation import DiscoveryRules
 from .compute import kneighbors
 
-_DEFAULTS = DiscoveryConfig()
+_DEFAULTS = DiscoveryRules()
 
 
 #: at most this many times the label tests' neighbourhood is widened (the labelled fraction
@@ -200,13 +200,13 @@ class _LabelEvidence:
     neighbours: dict[int, int]
 
 
-def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryConfig, domain_names) -> _LabelEvidence:
+def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryRules, domain_names) -> _LabelEvidence:
     # unlabelled cells among labelled ones (same batch) are of known types, however poorly the
     # seen heads score them
     # (as many neighbours as a test at desert_alpha needs where labels are sparse)
     nb_frac, tested, size = labelled_neighbours(
         lab, domain, pca_cells, n_neighbors=cfg.n_neighbors,
-        alpha=cfg.desert_alpha if cfg.widen_label_neighbourhood else None,
+        alpha=cfg.desert_alpha,
     )  # fmt: skip
     supported = labelled_support(
         lab, domain, nb_frac, tested, n_neighbors=size,

@@ -10,10 +10,10 @@ import itertools
 import numpy as np
 import scipy.sparse as sp
 
+from .._ablation import DiscoveryRules
 from .._align import group_domain_means, group_domain_sums
-from .._config import DiscoveryConfig
 
-_DEFAULTS = DiscoveryConfig()
+_DEFAULTS = DiscoveryRules()
 
 
 def batch_background(X: sp.csr_matrix, domain: np.ndarray) -> np.ndarray:

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from .._config import DiscoveryConfig
+from .._ablation import DiscoveryRules
 from ._stage import Discovery
 from .graph import leiden, resolve_resolution
 
-_DEFAULTS = DiscoveryConfig()
+_DEFAULTS = DiscoveryRules()
 
 
 def _smallest_cluster(n_unlabeled: int) -> int:
@@ -30,7 +30,7 @@ def discover_without_warmup(
     dim: int,
     *,
     n_novel: int | str = "auto",
-    cfg: DiscoveryConfig = _DEFAULTS,
+    cfg: DiscoveryRules = _DEFAULTS,
     seed: int = 0,
 ) -> Discovery:
     """The paper's literal recipe (``warmup_epochs=0``): the number of novel heads is given or
@@ -64,7 +64,7 @@ def estimate_n_novel(
     pca_of: Callable[[np.ndarray], np.ndarray],
     *,
     seed: int = 0,
-    cfg: DiscoveryConfig = _DEFAULTS,
+    cfg: DiscoveryRules = _DEFAULTS,
 ) -> dict:
     """Estimate the number of novel types without a warm-up: :func:`novel_clusters` of the PCA
     of all the given cells (``pca_of(idx)``) at the resolution of ``cfg``.

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._config import DiscoveryConfig
+from .._ablation import DiscoveryRules
 from .._conformal import CrossConformal
 from .graph import leiden
 
-_DEFAULTS = DiscoveryConfig()
+_DEFAULTS = DiscoveryRules()
 
 
 def calibration_split(
@@ -61,7 +61,7 @@ def ood_threshold(
     maxcos: np.ndarray,
     train: np.ndarray,
     calibration: np.ndarray,
-    cfg: DiscoveryConfig,
+    cfg: DiscoveryRules,
     held_out: np.ndarray | None = None,
 ) -> tuple[float, dict[str, float]]:
     """The out-of-distribution threshold on the best cosine to a seen head: the
@@ -201,7 +201,7 @@ def shift_notes(record: dict, batch_names: list[str], class_names: list[str] | N
 
 def spread_notes(votes: list[dict], batch_names: list[str],
                  class_names: list[str] | None) -> list[str]:  # fmt: skip
-    """Where the share vote's test (``share_vote_test``) left out clusters of a query batch
+    """Where the share vote's test left out clusters of a query batch
     (``votes`` of :func:`query_ood_clusters`: taken by the share vote, no candidate): many of
     their cells sit below their type's threshold, but as a whole they score like its labelled
     cells, as a known type that a condition or stimulation spreads does. They stay known; the user is told
@@ -228,7 +228,7 @@ def spread_notes(votes: list[dict], batch_names: list[str],
             f"their type's threshold but score like its labelled cells as a whole: "
             f"{'; '.join(parts)}. They stay known (a condition or stimulation that spreads a "
             f"known type looks like this); if one is a type the reference lacks, check its "
-            f"markers (uns['orca']['estimate']['query_votes'], share_vote_test)."
+            f"markers (uns['orca']['estimate']['query_votes'])."
         )
     return notes
 
@@ -316,54 +316,6 @@ def query_pvalues(
             counts.add(-ht, -(maxcos[rows] - (shift[int(d)][t] or 0.0)))
             p[rows] = counts.pvalues()
     return p
-
-
-def fold_query_pvalues(
-    fold_cosine: np.ndarray,
-    folds: np.ndarray,
-    predicted: np.ndarray,
-    labels: np.ndarray,
-    held_out: np.ndarray,
-    domain: np.ndarray,
-    cells: np.ndarray,
-    min_cells: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each of ``cells``' cross-conformal p-value of novelty read in the cross-fitted warm-ups
-    alone: in each fold's net, its best seen-head cosine (``fold_cosine[f]``) against the
-    cosines of the cells held out of that net (``held_out`` where ``folds == f``) of the known
-    type the main warm-up's head gives it (``predicted``), raised by its batch's shift of that
-    type, the counts summed over the folds, ``(1 + k) / (m + 1)``. Both sides of every comparison
-    are cells the net did not train on, so how closely a net fitted its own cells (which falls
-    with the number of cells at a fixed number of steps) cancels. The shift of a type in a batch
-    is the difference of the :data:`SHIFT_QUANTILE` quantiles of the batch's cosines (over the
-    folds) and of the held-out ones, never positive, where the batch holds at least
-    ``min_cells`` of its cells. NaN where the type has fewer than ``min_cells`` held-out
-    cosines, and outside ``cells``. Returns the p-values and each cell's cosine in the fold nets
-    (their mean; NaN outside ``cells``), over all cells.
-    """
-    p = np.full(fold_cosine.shape[1], np.nan)
-    mean_cos = np.full(fold_cosine.shape[1], np.nan)
-    nets = np.isfinite(fold_cosine[:, cells]).any(axis=1)  # folds whose net scored the cells
-    mean_cos[cells] = np.nanmean(fold_cosine[nets][:, cells], axis=0)
-    claimed, batch = predicted[cells], domain[cells]
-    known = np.isfinite(held_out)
-    for t in np.unique(claimed):  # loop over known types, not cells
-        of_type = (labels == t) & known
-        ht = held_out[of_type]
-        if ht.size < min_cells:
-            continue
-        for d in np.unique(batch):  # loop over batches
-            rows = cells[(claimed == t) & (batch == d)]
-            delta = 0.0
-            if rows.size >= min_cells:
-                delta = batch_shift(fold_cosine[nets][:, rows], ht)
-            counts = CrossConformal(rows.size)
-            for f in np.flatnonzero(nets):  # loop over folds
-                cal = held_out[of_type & (folds == f)]
-                if cal.size:
-                    counts.add(-cal, -(fold_cosine[f, rows] - delta))
-            p[rows] = counts.pvalues()
-    return p, mean_cos
 
 
 #: the share vote's test reads a cluster with at least this many conformal p-values: with fewer
@@ -689,7 +641,7 @@ def query_ood_clusters(
     return found
 
 
-def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryConfig, seed: int,
+def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryRules, seed: int,
                       pvalues=None, votes=None, claimed=None,
                       bar=None) -> list[np.ndarray]:  # fmt: skip
     """Candidates of the batches without labelled cells (none when there are none)."""
@@ -700,7 +652,7 @@ def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryConfig, seed:
         min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
         resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
         pvalues=pvalues, min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes,
-        claimed=claimed, bar=bar, share_level=cfg.novelty_alpha if cfg.share_vote_test else None,
+        claimed=claimed, bar=bar, share_level=cfg.novelty_alpha,
         max_cells=cfg.query_vote_cells,
     )  # fmt: skip
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from .._config import DiscoveryConfig
+from .._ablation import DiscoveryRules
 from .ood import _hold_out_per_class
 
-_DEFAULTS = DiscoveryConfig()
+_DEFAULTS = DiscoveryRules()
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def self_check_report(
     labels: np.ndarray,
     split: SelfCheckSplit,
     classes: list[str],
-    cfg: DiscoveryConfig = _DEFAULTS,
+    cfg: DiscoveryRules = _DEFAULTS,
 ) -> dict[str, Any]:
     """How the discover rules did on the self-check (:func:`self_check_split`): ``assign`` is
     the probe's candidate cluster per cell (-1 none), ``maxcos`` its cells' best cosine to a

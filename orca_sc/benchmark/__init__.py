@@ -2,6 +2,7 @@
 baselines, time and memory, scaling, and a Markdown/CSV/plot report (``orca-sc benchmark``).
 """
 
+from .._ablation import Ablation, DiscoveryRules
 from ._compare import Comparison, compare_columns, compare_runs, orca_runs
 from ._devsuite import config_overrides, orca_row, run_orca_suite
 from ._hooks import Callback, StageTimer, StopTrace, observe
@@ -43,6 +44,8 @@ from ._suite import (
 from ._tasks import TaskSpec, builtin_tasks, reversed_tasks
 
 __all__ = [
+    "Ablation",
+    "DiscoveryRules",
     "Comparison",
     "compare_columns",
     "compare_runs",

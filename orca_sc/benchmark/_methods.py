@@ -40,8 +40,11 @@ def annotate_task(task: Task, seed: int, **config) -> tuple[Any, slice]:
     """
     import anndata as ad
 
+    from .._ablation import split_options
     from ..tl import annotate
 
+    config, ablation = split_options(config)
+    config["ablation"] = ablation
     key = task.labels_key
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

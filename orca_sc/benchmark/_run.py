@@ -294,6 +294,7 @@ def _warm_up() -> None:
     """
     import warnings
 
+    from .._ablation import Ablation
     from ..datasets import simulate
     from ..tl import annotate
 
@@ -301,7 +302,7 @@ def _warm_up() -> None:
     a.obs["lab"] = a.obs["cell_type"].astype(object).where(a.obs["cell_type"] != "type_3", None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        annotate(a, labels_key="lab", n_genes=100, epochs=2, warmup_epochs=1, min_steps=4,
+        annotate(a, labels_key="lab", n_genes=100, epochs=2, warmup_epochs=1, ablation=Ablation(epoch_min_steps=2),
                  progress=False)  # fmt: skip
     from sklearn.cluster import KMeans
     from sklearn.linear_model import LogisticRegression

@@ -26,6 +26,7 @@ def annotate(
     copy: bool = False,
     save_model: str | None = None,
     config: OrcaConfig | None = None,
+    ablation: Any | None = None,
     **kwargs: Any,
 ):
     """Assign every cell to a known cell type or to a newly discovered novel cluster (ORCA).
@@ -58,6 +59,9 @@ def annotate(
     config, **kwargs
         A full :class:`~orca_sc.OrcaConfig`; any of its fields or of
         :class:`~orca_sc.DiscoveryConfig`'s given as keywords win over it.
+    ablation
+        For method studies (the benchmark): an :class:`orca_sc.benchmark.Ablation`, the
+        paper's ablations and the method's internal settings. Users leave it out.
 
     Returns
     -------
@@ -97,7 +101,8 @@ def annotate(
     model_path = check_output_path(save_model, "save_model")
     targets = [q.copy() for q in queries] if copy else queries
     several = isinstance(adata, (list, tuple))
-    model, result = train(targets if several else targets[0], reference, labels_key, cfg)
+    lab = _check_ablation(ablation)
+    model, result = train(targets if several else targets[0], reference, labels_key, cfg, lab)
     ends = np.cumsum([t.n_obs for t in targets])
     names = ["query"] if not several else [f"query_{i + 1}" for i in range(len(targets))]
     counts = {}
@@ -116,6 +121,18 @@ def annotate(
     if not copy:
         return None
     return targets if several else targets[0]
+
+
+def _check_ablation(ablation: Any):
+    """``ablation`` as an :class:`~orca_sc._ablation.Ablation` (``None``: ORCA's settings)."""
+    from .._ablation import LAB, Ablation
+
+    if ablation is None:
+        return LAB
+    if not isinstance(ablation, Ablation):
+        msg = f"annotate(): ablation must be an orca_sc.benchmark.Ablation, got {type(ablation).__name__}."
+        raise TypeError(msg)
+    return ablation
 
 
 def _check_inputs(adata: Any, reference: Any, copy: bool) -> list[Any]:

@@ -1,0 +1,285 @@
+"""The laboratory's settings, apart from the user's options: the paper's ablations, the training
+schedule's internals and the constants of discovery's rules.
+
+A user sets :class:`~orca_sc.OrcaConfig` and :class:`~orca_sc.DiscoveryConfig`. What the method
+fixes is here: :class:`Ablation` holds the values the benchmark and the tests vary (the paper's
+margin, loss terms and regulariser prior; where pair partners are found; the schedule's floor and
+stopping checks; any constant of a discovery rule, by name), and :class:`DiscoveryRules` is what
+every discovery rule reads, the user's :class:`~orca_sc.DiscoveryConfig` with the rules'
+constants beside it. ``orca_sc.benchmark.Ablation`` is this class; ``tl.annotate`` takes one as
+``ablation=`` (users leave it out). Neither is saved with a model: a model predicts with the
+user's options alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ._config import (
+    DiscoveryConfig,
+    _check_keys,
+    _invalid,
+    _is_finite,
+    _is_int,
+    _is_number,
+    _to_dict,
+)
+
+MarginMode = Literal["adaptive", "fixed", "zero"]
+PriorMode = Literal["data", "uniform"]
+PairSpace = Literal["both", "query_pca", "pca", "embedding"]
+
+#: upper bound of the adaptive margin (cosine units)
+MAX_MARGIN = 0.5
+#: the default number of epochs: the schedule's floor of optimiser steps is set per epoch of it
+DEFAULT_EPOCHS = 20
+
+
+@dataclass(frozen=True)
+class DiscoveryRules(DiscoveryConfig):
+    """What discovery's rules read: the user's :class:`~orca_sc.DiscoveryConfig` and the rules'
+    own constants, each measured on the development suite (``docs/discovery.md``).
+
+    Attributes
+    ----------
+    ood_quantile
+        An unlabelled cell is out-of-distribution below this quantile of the labelled cells' best seen-head cosine (with ``cross_fit_threshold="none"``).
+    ood_max_rate
+        With calibration: the share of unseen known-type cells that may be called out-of-distribution.
+    calibration_max_cells
+        At most this many labelled cells are held out for calibration.
+    self_check_types, self_check_known
+        Share of the known types the self-check hides, and of every other type's labelled cells it holds out.
+    resolution_grid, fallback_resolution
+        The resolutions ``resolution="auto"`` tries, and the one used where it cannot be calibrated.
+    calibration_cells
+        At most this many labelled cells are clustered to calibrate the resolution.
+    n_pcs
+        Principal components of the aligned expression behind discovery's graphs.
+    max_cells
+        At most this many cells (a random subset) are clustered.
+    support_fraction, support_min
+        An unlabelled cell with this share of the expected labelled neighbours, and at least this many, is of a known type.
+    desert_alpha
+        Binomial level below which a cell has too few labelled neighbours for a known type (a label desert; where labels are sparse the test reads as many neighbours as it needs).
+    segregated_support
+        A batch whose unlabelled cells are supported less often than this was not labelled at random.
+    query_resolution
+        Leiden resolution of a batch without labelled cells (a separate query).
+    query_vote_cells
+        At most this many cells of a batch without labelled cells are clustered and vote (``None``: every cell).
+    query_min_fraction, query_min_enrichment
+        A query cluster is a candidate when this share of its cells is out-of-distribution, or this many times the batch's share.
+    core_min_agree, core_min_fraction
+        A candidate cell is at its cluster's core when this share of its neighbours is in the cluster; a cluster with a smaller share of core cells is not anchored.
+    anchor_supported
+        Anchor each unlabelled cell the labels around it support to the seen head that claims it.
+    min_novel_cells
+        A novel head that wins fewer unlabelled cells than this is no cluster (pruned).
+    no_warmup_rel_threshold
+        Without a warm-up: clusters with a labelled share below this times the overall one count as novel.
+
+    """
+
+    ood_quantile: float = 0.01
+    ood_max_rate: float = 0.1
+    calibration_max_cells: int = 2000
+    self_check_types: float = 0.25
+    self_check_known: float = 0.2
+    resolution_grid: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+    fallback_resolution: float = 0.5
+    calibration_cells: int = 10_000
+    n_pcs: int = 30
+    max_cells: int = 50_000
+    support_fraction: float = 0.5
+    support_min: int = 2
+    desert_alpha: float = 0.01
+    segregated_support: float = 0.1
+    query_resolution: float = 1.0
+    query_vote_cells: int | None = None
+    query_min_fraction: float = 0.5
+    query_min_enrichment: float = 2.5
+    core_min_agree: float = 0.5
+    core_min_fraction: float = 2 / 3
+    anchor_supported: bool = True
+    min_novel_cells: int = 5
+    no_warmup_rel_threshold: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
+        if not self.resolution_grid or not all(
+            _is_finite(r) and r > 0 for r in self.resolution_grid
+        ):
+            _invalid("resolution_grid", self.resolution_grid, "positive numbers")
+        for name in ("fallback_resolution", "query_resolution", "query_min_enrichment"):
+            if not (_is_finite(getattr(self, name)) and getattr(self, name) > 0):
+                _invalid(name, getattr(self, name), "a finite positive number")
+        for name in ("ood_quantile", "ood_max_rate", "support_fraction", "desert_alpha",
+                     "segregated_support", "query_min_fraction", "core_min_agree",
+                     "core_min_fraction", "no_warmup_rel_threshold", "self_check_types",
+                     "self_check_known"):  # fmt: skip
+            if not (_is_number(getattr(self, name)) and 0 <= getattr(self, name) <= 1):
+                _invalid(name, getattr(self, name), "a number in [0, 1]")
+        for name in ("calibration_cells", "calibration_max_cells", "max_cells", "min_novel_cells"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                _invalid(name, getattr(self, name), "a positive integer")
+        if not _is_int(self.n_pcs) or self.n_pcs < 2:
+            _invalid("n_pcs", self.n_pcs, "an integer >= 2")
+        if not _is_int(self.support_min) or self.support_min < 0:
+            _invalid("support_min", self.support_min, "a non-negative integer")
+        if not isinstance(self.anchor_supported, bool):
+            _invalid("anchor_supported", self.anchor_supported, "True or False")
+        qvc = self.query_vote_cells
+        if qvc is not None and (not _is_int(qvc) or qvc < 2 * self.n_neighbors):
+            _invalid("query_vote_cells", qvc,
+                     f"None or an integer >= {2 * self.n_neighbors} (twice n_neighbors)")  # fmt: skip
+
+    @classmethod
+    def of(cls, config: DiscoveryConfig, ablation: Ablation | None = None) -> DiscoveryRules:
+        """The rules of a run: the user's ``config`` and ``ablation``'s rule constants."""
+        user = {f.name: getattr(config, f.name) for f in dataclasses.fields(DiscoveryConfig)}
+        return cls(**user, **(dict(ablation.rules) if ablation is not None else {}))
+
+
+#: the rules' constants (the fields of :class:`DiscoveryRules` that are not a user's option)
+RULE_FIELDS = frozenset(f.name for f in dataclasses.fields(DiscoveryRules)) - frozenset(
+    f.name for f in dataclasses.fields(DiscoveryConfig)
+)
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """What the benchmark varies beside a user's options: the paper's ablations (ORCA-ZM,
+    ORCA-FNM, no supervised term, no regulariser, a uniform prior, pairs in the embedding), the
+    training schedule's internals, and any discovery rule's constant (``rules``, by the name of
+    its :class:`DiscoveryRules` field). The defaults are ORCA as ``tl.annotate`` runs it.
+
+    Attributes
+    ----------
+    margin
+        ``"adaptive"`` (ORCA: ``lam`` times the unlabelled cells' mean uncertainty, at most 0.5), ``"fixed"`` (ORCA-FNM, ``fixed_margin``) or ``"zero"`` (ORCA-ZM).
+    fixed_margin
+        The margin of ``margin="fixed"``.
+    lam, eta1, eta2
+        The margin's factor and the weights of the pairwise and entropy terms (paper Eq. 1, 4).
+    supervised, regularizer
+        Keep the supervised term, the entropy regulariser.
+    prior
+        Target of the regulariser: ``"data"`` (estimated class sizes) or ``"uniform"`` (the paper).
+    pair_space
+        Where unlabelled cells' pair partners are found: ``"query_pca"`` (``"pca"`` for the cells of batches without labelled cells, ``"both"`` elsewhere), ``"both"``, ``"pca"`` or ``"embedding"`` (the paper).
+    pair_pcs
+        Principal components of that PCA.
+    mutual_pairs
+        A nearest neighbour is a partner only if the cell is among its this many nearest (0: the paper's rule).
+    anchor_epochs, anchor_weight
+        Epochs after the warm-up in which candidate clusters' core cells are pulled to their heads, and the weight of that cross-entropy.
+    epoch_min_steps
+        On small data an epoch has at least this many optimiser steps (the schedule cycles through the cells): a run of ``epochs`` epochs has at least ``epoch_min_steps * epochs`` steps.
+    stop_tolerance, stop_check_steps, stop_min_steps
+        The stopping rule (:class:`orca_sc._train.StopRule`): its tolerance of cells changing head (``0``: every epoch, the paper's schedule), the steps between two checks and before the first.
+    min_shared_genes
+        Fewer genes shared by reference and query is an error.
+    rules
+        Constants of discovery's rules, by field name of :class:`DiscoveryRules`.
+
+    """
+
+    margin: MarginMode = "adaptive"
+    fixed_margin: float = 0.5
+    lam: float = 1.0
+    eta1: float = 1.0
+    eta2: float = 1.0
+    supervised: bool = True
+    regularizer: bool = True
+    prior: PriorMode = "data"
+    pair_space: PairSpace = "query_pca"
+    pair_pcs: int = 30
+    mutual_pairs: int = 3
+    anchor_epochs: int = 1
+    anchor_weight: float = 0.3
+    epoch_min_steps: int = 15
+    stop_tolerance: float = 0.01
+    stop_check_steps: int = 25
+    stop_min_steps: int = 100
+    min_shared_genes: int = 100
+    rules: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", dict(self.rules))
+        unknown = sorted(set(self.rules) - RULE_FIELDS)
+        if unknown:
+            msg = f"Unknown discovery rule constants {unknown}; known: {sorted(RULE_FIELDS)}."
+            raise ValueError(msg)
+        DiscoveryRules(**self.rules)  # validated as the rules will read them
+        if self.margin not in ("adaptive", "fixed", "zero"):
+            _invalid("margin", self.margin, '"adaptive", "fixed" or "zero"')
+        if self.prior not in ("data", "uniform"):
+            _invalid("prior", self.prior, '"data" or "uniform"')
+        if self.pair_space not in ("both", "query_pca", "pca", "embedding"):
+            _invalid("pair_space", self.pair_space, '"both", "query_pca", "pca" or "embedding"')
+        for name in ("fixed_margin", "lam", "eta1", "eta2", "anchor_weight"):
+            if not (_is_finite(getattr(self, name)) and getattr(self, name) >= 0):
+                _invalid(name, getattr(self, name), "a finite non-negative number")
+        for name in ("supervised", "regularizer"):
+            if not isinstance(getattr(self, name), bool):
+                _invalid(name, getattr(self, name), "True or False")
+        for name in ("mutual_pairs", "anchor_epochs", "epoch_min_steps", "stop_min_steps"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                _invalid(name, getattr(self, name), "a non-negative integer")
+        for name in ("stop_check_steps", "min_shared_genes"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                _invalid(name, getattr(self, name), "a positive integer")
+        if not _is_int(self.pair_pcs) or self.pair_pcs < 2:
+            _invalid("pair_pcs", self.pair_pcs, "an integer >= 2")
+        if not (_is_number(self.stop_tolerance) and 0 <= self.stop_tolerance <= 1):
+            _invalid("stop_tolerance", self.stop_tolerance, "a share in [0, 1] (0: every epoch)")
+
+    @classmethod
+    def of(cls, **settings: Any) -> Ablation:
+        """An ablation from flat ``settings``: its own fields, and rule constants by name."""
+        rules = {k: settings.pop(k) for k in list(settings) if k in RULE_FIELDS}
+        _check_keys(cls, settings)
+        return cls(**settings, rules=rules)
+
+    def replace(self, **settings: Any) -> Ablation:
+        """A copy with some settings changed (rule constants by name too)."""
+        rules = {**self.rules, **{k: settings.pop(k) for k in list(settings) if k in RULE_FIELDS}}
+        return dataclasses.replace(self, **settings, rules=rules)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able representation."""
+        return _to_dict(self)
+
+    def changes(self) -> dict[str, Any]:
+        """The settings that differ from ORCA's (flat; empty for the defaults)."""
+        base = Ablation()
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "rules" and getattr(self, f.name) != getattr(base, f.name)
+        }
+        return {**out, **self.rules}
+
+
+#: every name :meth:`Ablation.of` takes
+ABLATION_FIELDS = frozenset(f.name for f in dataclasses.fields(Ablation)) - {"rules"} | RULE_FIELDS
+
+#: ORCA as ``tl.annotate`` runs it
+LAB = Ablation()
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], Ablation | None]:
+    """Flat ``options`` (as the benchmark's ``--set`` gives them) parted into a user's options
+    and an :class:`Ablation` of the rest (``None`` when there is none); an ``ablation`` entry
+    is the base the others change.
+    """
+    options = dict(options)
+    base = options.pop("ablation", None)
+    lab = {k: options.pop(k) for k in list(options) if k in ABLATION_FIELDS}
+    if not lab:
+        return options, base
+    return options, (base or LAB).replace(**lab)
