@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,15 +16,12 @@ import torch
 from . import __version__
 from ._ablation import LAB, Ablation
 from ._align import (
-    aligned_group_means,
     centroid_shift,
     identity,
-    profile_similarity,
     standardize,
 )
 from ._annotation import (
     Annotation,
-    Naming,
     annotate_record,
     evidence_note,
     jsonable,
@@ -35,10 +31,18 @@ from ._calibration import apply_transfer, calibrate
 from ._card import model_card
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
-from ._discover import match_known_types, match_novel_across_batches, name_heads
-from ._discover.naming import cluster_reliabilities, naming_means
 from ._engine import stage
 from ._errors import OrcaInputError, check_anndata, check_input_file
+from ._heads import (  # noqa: F401
+    _novel_similarity,
+    best_head,
+    canonical_heads,
+    name_heads_of_fit,
+    novel_names_of,
+    novelty_quantiles,
+    seen_cosine,
+)
+from ._model_file import _NOVEL_NAME, FORMAT, _check_model, _confidence_map, _to_builtin  # noqa: F401
 from ._pipeline import Fit
 from ._pipeline import fit as fit_run
 from ._read import open_matrix, warn_empty
@@ -49,7 +53,6 @@ from .module import OrcaNet
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "orca_sc.model/1"
 #: ``predict`` refuses data that has fewer than this fraction of the model's genes.
 MIN_GENE_FRACTION = 0.5
 
@@ -161,135 +164,6 @@ def _confidence(fit: Fit, head: np.ndarray, n_seen: int):
     cal = calibrate(fit.fold_predictions, final, head < n_seen)
     record = {"calibrated": True, "meaning": CONFIDENCE_MEANING[True], **cal.record}
     return cal.confidence, record, cal.transfer
-
-
-def best_head(probs: np.ndarray, head_names: list[str | None]) -> np.ndarray:
-    """Most probable head of each cell among the kept heads (a ``None`` name: pruned, never
-    wins).
-    """
-    kept = np.array([n is not None for n in head_names])
-    return np.where(kept[None, :], probs, -1.0).argmax(axis=1)
-
-
-def canonical_heads(head_names: list[str | None], head: np.ndarray) -> np.ndarray:
-    """``head`` with every head replaced by the first head of the same name (novel heads that
-    are one type in several batches share a name).
-    """
-    first: dict[str | None, int] = {}
-    for i, n in enumerate(head_names):
-        first.setdefault(n, i)
-    canon = np.array([first[n] if n is not None else i for i, n in enumerate(head_names)])
-    return canon[head]
-
-
-def novel_names_of(head_names: list[str | None], classes: list[str]) -> list[str]:
-    """Names of the novel clusters (kept novel heads): ``novel_1`` (largest), ``novel_2``, ...;
-    a novel head merged into a known type carries that type's name and is not one.
-    """
-    known = set(classes)
-    names = {n for n in head_names[len(classes) :] if n is not None and n not in known}
-    return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]))
-
-
-def seen_cosine(net: OrcaNet, n_seen: int, embedding: np.ndarray) -> np.ndarray:
-    """Each cell's cosine to its nearest seen-class head of ``net``, ``(n,)``, from its
-    L2-normalised ``embedding`` ``(n, D)``.
-    """
-    w = net.head.weight.detach().cpu().numpy()[:n_seen]
-    w = w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
-    return (embedding @ w.T).max(axis=1)
-
-
-def novelty_quantiles(net: OrcaNet, n_seen: int, embedding: np.ndarray) -> list[float]:
-    """1,001 quantiles of the labelled cells' cosine to their nearest seen head (``embedding``
-    of the labelled cells), against which :meth:`OrcaModel.novelty` scores cells.
-    """
-    cos = seen_cosine(net, n_seen, embedding)
-    return np.quantile(cos, np.linspace(0, 1, 1001)).tolist()
-
-
-def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Naming]:
-    """Every head's name from the training cells' heads ``head``: novel clusters that are a
-    known type of another batch carry its name (:func:`orca_sc._discover.match_known_types`),
-    the others are ``novel_1``, ``novel_2``, ... by size; heads with fewer unlabelled cells than
-    ``DiscoveryRules.min_novel_cells`` are pruned (``None``). Also the record of the merges.
-    """
-    data, classes = fit.data, list(fit.data.classes)
-    n_seen, n_novel = len(classes), fit.found.n_heads
-    unl = ~data.labeled
-    counts = np.bincount(head[unl], minlength=n_seen + n_novel)[n_seen:]
-    pairs, same, tested = [], [], []
-    threshold = fit.config.discovery.merge_threshold
-    if threshold is not None and n_novel > 0:
-        # the batches' background, the clusters' and the known types' means: one pass over X
-        clusters = np.where(unl & (head >= n_seen), head - n_seen, -1)
-        background, (means, n_in), known = naming_means(
-            data.X, data.labels, data.domain, clusters, n_novel, n_seen
-        )
-        kept = np.where(unl & (head < n_seen), head, -1)  # the query cells of known heads
-        # each cluster's reliability, once for both matches
-        rel = cluster_reliabilities(
-            data.X, data.domain, clusters, (means, n_in), background, fit.config.seed
-        )
-        pairs = match_known_types(
-            data.X, data.labels, data.domain, clusters, n_novel, n_seen, threshold,
-            background=background, cluster_means=(means, n_in), known_means=known, kept=kept,
-            alpha=fit.config.discovery.novelty_alpha, seed=fit.config.seed, tested=tested,
-            cluster_reliability=rel,
-        )  # fmt: skip
-    if threshold is not None and n_novel > 1:  # one novel type found in several batches
-        into_known = [h for h, _, _ in pairs]
-        clusters[np.isin(clusters, into_known)] = -1
-        means, n_in = means.copy(), n_in.copy()
-        means[into_known], n_in[into_known] = 0.0, 0.0  # as if their cells were no cluster's
-        same = match_novel_across_batches(
-            data.X, data.domain, clusters, n_novel, threshold,
-            background=background, cluster_means=(means, n_in), seed=fit.config.seed,
-            cluster_reliability=rel,
-        )  # fmt: skip
-    # a head that won fewer cells than a cluster needs is no cluster: pruned (its cells take
-    # their next most probable head), unless its signature made it a known type above
-    bar = fit.rules.min_novel_cells
-    too_few = counts < bar
-    head_names, order = name_heads(np.where(too_few, 0, counts), classes, pairs, same)
-    # the cells of each head that pruning took, largest first (a head merged into a known type
-    # keeps its name)
-    pruned = sorted((int(counts[h]) for h in range(n_novel) if too_few[h] and counts[h] > 0
-                     and head_names[n_seen + h] is None), reverse=True)  # fmt: skip
-    if pruned:
-        logger.warning(
-            "%d novel head(s) won only %s unlabelled cell(s), fewer than the %d a cluster needs: too "
-            "few for a cluster the data can support, so their cells take their next most "
-            "probable head (uns['orca']['n_novel']['pruned']).",
-            len(pruned), ", ".join(map(str, pruned)), bar,
-        )  # fmt: skip
-    for (h, k, _), t in zip(pairs, tested, strict=True):
-        if t["set_apart"] and counts[h] > 0:
-            logger.warning(
-                "A novel cluster of %d cells was reported as %s (its marker signature matches "
-                "the type's), but matches %s less well than the %d query cells %s's head kept "
-                "in its batch (permutation p = %.3f): it may be a novel type beside %s, or a "
-                "part of %s that looks unlike it (uns['orca']['merged_into_known']).",
-                int(counts[h]), classes[k], classes[k], t["n_kept"], classes[k], t["p_value"],
-                classes[k], classes[k],
-            )  # fmt: skip
-    merged = {
-        "cluster": [f"head_{h}" for h, _, _ in pairs],
-        "type": [classes[k] for _, k, _ in pairs],
-        "n_cells": [int(counts[h]) for h, _, _ in pairs],
-        "correlation": [round(r, 4) for _, _, r in pairs],
-        # the type's own query cells in the cluster's batch, and whether the cluster matches
-        # the type less well than they do (a novel sibling, or a part the fit split off)
-        "n_type_cells": [t["n_kept"] for t in tested],
-        "p_beside": [round(t["p_value"], 4) for t in tested],
-        "beside": [t["set_apart"] for t in tested],
-    }
-    return head_names, Naming(merged, order, {
-        "cluster": [f"head_{a}" for a, _, _ in same],
-        "same_as": [f"head_{b}" for _, b, _ in same],
-        "name": [head_names[n_seen + b] for _, b, _ in same],
-        "correlation": [round(r, 4) for _, _, r in same],
-    }, pruned)  # fmt: skip
 
 
 #: what ``obs['orca_confidence']`` means, calibrated or not (``uns['orca']['confidence']``)
@@ -614,118 +488,3 @@ class OrcaModel:
             confidence_map=_confidence_map(extra.get("confidence_map"), f"Model file {str(path)!r}"),
             card=extra.get("card") if isinstance(extra.get("card"), dict) else None,
         )  # fmt: skip
-
-
-def _novel_similarity(fit: Fit, head: np.ndarray, head_names: list, novel_names: list) -> dict:
-    """Centred expression correlation of each novel cluster (its unlabelled cells) with each known
-    type (its labelled cells), both after batch alignment.
-
-    Stored as ``{"clusters": [...], "types": [...], "similarity": (n_clusters, n_types)}``: cell
-    type names may contain "/" and so cannot be keys of an h5ad group.
-    """
-    data, t = fit.data, fit.transform
-    n_seen = len(data.classes)
-    groups = np.where(data.labeled, data.labels, np.where(head >= n_seen, head, -1))
-    means = aligned_group_means(data.X, groups, len(head_names), data.domain, t.scale, t.offset)
-    known = means[:n_seen]
-    sims = profile_similarity(means[n_seen:], known, known.mean(axis=0))
-    order = [head_names.index(name) - n_seen for name in novel_names]
-    return {
-        "clusters": list(novel_names),
-        "types": list(data.classes),
-        "similarity": np.round(sims[order], 4).tolist(),
-    }
-
-
-def _confidence_map(value: Any, what: str) -> tuple[list[float], list[float]] | None:
-    """A saved ``confidence_map`` (absent in older files: ``None``), checked."""
-    if value is None:
-        return None
-    ok = isinstance(value, list) and len(value) == 2 and all(isinstance(v, list) for v in value)
-    if ok:
-        x, y = (np.asarray(v, dtype=np.float64) for v in value)
-        ok = x.shape == y.shape and np.isfinite(x).all() and np.isfinite(y).all()
-        ok = ok and bool(np.all(np.diff(x) >= 0)) and bool(((y >= 0) & (y <= 1)).all())
-    if not ok:
-        msg = f"{what} is damaged or was edited: its confidence map is not two lists of knots."
-        raise OrcaInputError(msg + " Retrain it, or re-save it with orca_sc.")
-    return value[0], value[1]
-
-
-_NOVEL_NAME = re.compile(r"novel_[0-9]+")
-
-
-def _check_model(payload: dict, meta: dict, what: str) -> tuple[OrcaConfig, OrcaNet, np.ndarray]:
-    """The config, network and centroids of a loaded model file, after checking that its
-    metadata and tensors are complete, consistent and finite (:class:`OrcaInputError` if not).
-    """
-
-    def bad(problem: str) -> OrcaInputError:
-        return OrcaInputError(
-            f"{what} is damaged or was edited: {problem}. Retrain it, or re-save it with orca_sc."
-        )
-
-    missing = [k for k in ("config", "genes", "classes", "head_names", "n_heads") if k not in meta]
-    missing += [k for k in ("state_dict", "centroids") if k not in payload]
-    if missing:
-        raise bad(f"it has no {', '.join(map(repr, missing))}")
-    genes, classes, names, n_heads = (
-        meta["genes"], meta["classes"], meta["head_names"], meta["n_heads"]
-    )  # fmt: skip
-
-    def strings(x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(v, str) for v in x)
-
-    if not strings(genes) or not genes or len(set(genes)) != len(genes):
-        raise bad("'genes' must be a non-empty list of unique gene names")
-    if not strings(classes) or len(classes) < 2 or len(set(classes)) != len(classes):
-        raise bad("'classes' must be a list of at least two unique cell-type names")
-    if not (isinstance(n_heads, int) and not isinstance(n_heads, bool)):
-        raise bad(f"'n_heads' is {n_heads!r}, not an integer")
-    if not isinstance(names, list) or len(names) != n_heads or n_heads < len(classes):
-        raise bad(
-            f"'head_names' must list the {n_heads} heads (at least the {len(classes)} classes)"
-        )
-    if names[: len(classes)] != classes:
-        raise bad("the first head names must be the classes")
-    for name in names[len(classes) :]:
-        if name is not None and not (
-            isinstance(name, str) and (name in classes or _NOVEL_NAME.fullmatch(name))
-        ):
-            raise bad(f"head name {name!r} is neither a class nor a novel cluster (novel_N)")
-    try:
-        config = OrcaConfig.from_dict(meta["config"])
-    except (ValueError, TypeError) as e:
-        raise bad(f"its configuration is invalid ({e})") from None
-    net = OrcaNet(len(genes), n_heads, config.hidden_dims, config.dropout)
-    state = payload["state_dict"]
-    expected = {k: tuple(v.shape) for k, v in net.state_dict().items()}
-    if not isinstance(state, dict) or set(state) != set(expected):
-        raise bad("its weights are not those of an orca_sc network")
-    for k, shape in expected.items():
-        v = state[k]
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
-            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            raise bad(f"weight {k!r} has shape {got}, expected {shape} for {n_heads} heads")
-        if v.is_floating_point() and not torch.isfinite(v).all():
-            raise bad(f"weight {k!r} holds NaN or infinite values")
-    centroids = payload["centroids"]
-    if not isinstance(centroids, torch.Tensor) or tuple(centroids.shape) != (
-        len(classes),
-        len(genes),
-    ):
-        raise bad("its class centroids do not match its classes and genes")
-    if not torch.isfinite(centroids).all():
-        raise bad("its class centroids hold NaN or infinite values")
-    net.load_state_dict(state)
-    net.eval()
-    return config, net, centroids.numpy()
-
-
-def _to_builtin(obj: Any) -> Any:
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    msg = f"Cannot store {type(obj).__name__} in model metadata."
-    raise TypeError(msg)

@@ -760,7 +760,7 @@ def test_query_vote_on_a_sample_reads_as_many_cells_at_any_size():
     """
     from orca_sc._discover import query_ood_clusters
     from orca_sc._discover.graph import leiden
-    from orca_sc._discover.ood import sampled_clusters
+    from orca_sc._discover.query import sampled_clusters
 
     rng = np.random.default_rng(3)
     n = {"N": 600, "K1": 3000, "K2": 3000, "M": 800}

@@ -756,7 +756,7 @@ def test_conformal_query_vote_does_not_move_with_the_number_of_cells():
     novel cells the batch holds.
     """
     from orca_sc._discover import query_pvalues
-    from orca_sc._discover.ood import QUERY_MEAN_P, conformal_vote
+    from orca_sc._discover.query import QUERY_MEAN_P, conformal_vote
 
     rng = np.random.default_rng(1)
     held = rng.normal(0.35, 0.1, 600)  # type 0's cross-fitted cosines
@@ -785,7 +785,7 @@ def test_conformal_query_vote_needs_an_effect_and_enough_cells():
     where a test alone would call it; three cells at p 0.2 are not one either: the test cannot
     support the call (the same scores over 40 cells can).
     """
-    from orca_sc._discover.ood import conformal_vote
+    from orca_sc._discover.query import conformal_vote
 
     rng = np.random.default_rng(2)
     slight = np.clip(rng.uniform(0, 1, 50_000) - 0.05, 0.001, 1)
@@ -802,7 +802,7 @@ def test_contrast_vote_compares_a_cluster_with_its_type_in_the_same_batch():
     halves alike); a type with no other cells in the batch cannot be compared, so no; and a
     small effect is not enough however many cells show it.
     """
-    from orca_sc._discover.ood import QUERY_MEAN_P, contrast_vote
+    from orca_sc._discover.query import QUERY_MEAN_P, contrast_vote
 
     rng = np.random.default_rng(3)
     claimed = np.zeros(500, int)
@@ -831,7 +831,7 @@ def test_contrast_query_vote_leaves_a_type_the_batch_shifts_as_a_whole():
     recorded.
     """
     from orca_sc._discover import query_ood_clusters
-    from orca_sc._discover.ood import contrast_vote
+    from orca_sc._discover.query import contrast_vote
 
     rng = np.random.default_rng(0)
     n = {"N": 80, "M": 400, "K": 150, "W": 120}
@@ -863,7 +863,7 @@ def test_contrast_vote_clears_the_bar_of_labelled_pieces():
     still is. Each vote's gap is recorded.
     """
     from orca_sc._discover import query_ood_clusters
-    from orca_sc._discover.ood import ContrastBar, cosine_gap, reference_gaps, type_spread
+    from orca_sc._discover.query import ContrastBar, cosine_gap, reference_gaps, type_spread
 
     rng = np.random.default_rng(5)
 
@@ -983,7 +983,7 @@ def test_mean_p_test_holds_its_level_and_reads_few_p_values():
     """
     from scipy.stats import irwinhall
 
-    from orca_sc._discover.ood import MEAN_TEST_NORMAL_FROM, mean_p_below_half
+    from orca_sc._discover.query import MEAN_TEST_NORMAL_FROM, mean_p_below_half
 
     rng = np.random.default_rng(0)
     for n in (2, 7, 19, 20, 40):
@@ -1005,7 +1005,7 @@ def test_share_vote_test_reads_clusters_with_few_p_values():
     ones stays; a cluster with 3 is not tested (the test could not confirm a novel one).
     """
     from orca_sc._discover import query_ood_clusters
-    from orca_sc._discover.ood import SHARE_TEST_MIN_VALUES
+    from orca_sc._discover.query import SHARE_TEST_MIN_VALUES
 
     assert SHARE_TEST_MIN_VALUES <= 8
     rng = np.random.default_rng(2)

@@ -59,20 +59,22 @@ from .labels import (
 from .naming import match_known_types, match_novel_across_batches, name_heads
 from .no_warmup import discover_without_warmup, estimate_n_novel, novel_clusters
 from .ood import (
-    ContrastBar,
-    _query_candidates,
-    _rank_by_size,
     calibration_split,
     cells_for_quantile,
     ood_clusters,
     ood_threshold,
+    shift_notes,
+    type_thresholds,
+)
+from .query import (
+    ContrastBar,
+    _query_candidates,
+    _rank_by_size,
     query_ood_clusters,
     query_pvalues,
     reference_gaps,
-    shift_notes,
     spread_notes,
     type_spread,
-    type_thresholds,
 )
 from .scale import size_check
 from .self_check import SelfCheckSplit, self_check_report, self_check_split, youden_threshold

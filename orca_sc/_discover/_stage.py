@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .._ablation import DiscoveryRules
-from .ood import QUERY_LEVEL, QUERY_MEAN_P
+from .query import QUERY_LEVEL, QUERY_MEAN_P
 
 _DEFAULTS = DiscoveryRules()
 #: below this many unlabelled cells, discover notes that small novel types go undetected

@@ -17,146 +17,22 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import metrics as M
 from .._engine import Callback, fit_phase
-from .._errors import ConfigError, OrcaInputError
+from .._errors import OrcaInputError
 from .._train import reproducibly, resolve_device
 from ..module import adaptive_margin, orca_objective
+from ._config import _MARGINS, METHOD_NAMES, PretrainConfig, VisionConfig, _check, preset  # noqa: F401
 from ._data import ImageData, ImageSource
-from ._nets import ARCHS, Projector, VisionOrcaNet, freeze_all_but_last_block, make_backbone
+from ._eval import embed, evaluate_heads, predict, score  # noqa: F401
+from ._nets import Projector, VisionOrcaNet, freeze_all_but_last_block, make_backbone
 from ._split import OpenWorldSplit, open_world_split
 
 logger = logging.getLogger(__name__)
-
-#: the paper's names of ORCA and its margin ablations, by ``VisionConfig.margin``
-METHOD_NAMES = {"adaptive": "ORCA", "fixed": "ORCA-FNM", "zero": "ORCA-ZM"}
-_MARGINS = tuple(METHOD_NAMES)
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """ORCA training on images. Defaults are the paper's CIFAR protocol (App. A); see
-    :func:`preset` for ImageNet-100 and the CPU-sized sets.
-
-    ``head_multiplier``: total heads = multiplier × number of classes (paper Table 12: 100, 200,
-    400 heads on CIFAR-100). ``freeze``: train only the backbone's last block and the head
-    (``None``: freeze when a pretrained backbone is given, as the paper; train everything when
-    starting from random weights). ``eval_test``: score the test split after every epoch (it is
-    always scored after the last). ``margin``: ``"adaptive"`` (ORCA), ``"zero"`` (ORCA-ZM),
-    ``"fixed"`` (ORCA-FNM, ``fixed_margin`` 0.5). ``amp``: bfloat16 autocast on CUDA.
-    """
-
-    arch: str = "resnet18"
-    epochs: int = 200
-    batch_size: int = 512
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    milestones: tuple[int, ...] = (140, 180)
-    margin: str = "adaptive"
-    lam: float = 1.0
-    max_margin: float = 0.5
-    fixed_margin: float = 0.5
-    eta1: float = 1.0
-    eta2: float = 1.0
-    head_multiplier: int = 1
-    seen_fraction: float = 0.5
-    labelled_fraction: float = 0.5
-    freeze: bool | None = None
-    seed: int = 0
-    amp: bool = False
-    workers: int = 0
-    eval_test: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "milestones", tuple(int(m) for m in self.milestones))
-        _check(self.arch in ARCHS, "arch", self.arch, f"one of {', '.join(ARCHS)}")
-        _check(self.margin in _MARGINS, "margin", self.margin, f"one of {', '.join(_MARGINS)}")
-        for name in ("epochs", "batch_size", "head_multiplier"):
-            v = getattr(self, name)
-            _check(isinstance(v, int) and v >= 1, name, v, "a positive integer")
-        _check(self.batch_size >= 2, "batch_size", self.batch_size, "at least 2")
-        _check(0 < self.lr <= 10 and math.isfinite(self.lr), "lr", self.lr, "a number in (0, 10]")
-        for name in (
-            "momentum",
-            "weight_decay",
-            "lam",
-            "max_margin",
-            "fixed_margin",
-            "eta1",
-            "eta2",
-        ):
-            v = getattr(self, name)
-            _check(math.isfinite(v) and v >= 0, name, v, "a finite number >= 0")
-        _check(0 < self.seen_fraction < 1, "seen_fraction", self.seen_fraction, "in (0, 1)")
-        _check(
-            0 < self.labelled_fraction <= 1,
-            "labelled_fraction",
-            self.labelled_fraction,
-            "in (0, 1]",
-        )
-        _check(0 <= self.seed < 2**32, "seed", self.seed, "an integer in [0, 2**32)")
-        _check(self.workers >= 0, "workers", self.workers, "an integer >= 0")
-
-
-@dataclass(frozen=True)
-class PretrainConfig:
-    """SimCLR pretraining (Chen et al. 2020) on all training images, labelled or not: two views
-    per image, NT-Xent with ``temperature``, projection head to ``proj_dim``; Adam with a cosine
-    learning-rate decay.
-    """
-
-    arch: str = "resnet18"
-    epochs: int = 200
-    batch_size: int = 512
-    lr: float = 1e-3
-    weight_decay: float = 1e-6
-    temperature: float = 0.5
-    proj_dim: int = 128
-    seed: int = 0
-    amp: bool = False
-    workers: int = 0
-
-    def __post_init__(self) -> None:
-        _check(self.arch in ARCHS, "arch", self.arch, f"one of {', '.join(ARCHS)}")
-        for name in ("epochs", "batch_size", "proj_dim"):
-            v = getattr(self, name)
-            _check(isinstance(v, int) and v >= 1, name, v, "a positive integer")
-        _check(self.batch_size >= 2, "batch_size", self.batch_size, "at least 2")
-        _check(0 < self.lr <= 10 and math.isfinite(self.lr), "lr", self.lr, "a number in (0, 10]")
-        _check(self.temperature > 0, "temperature", self.temperature, "a number > 0")
-        _check(0 <= self.seed < 2**32, "seed", self.seed, "an integer in [0, 2**32)")
-
-
-def _check(ok: bool, name: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(name, value, expected)
-
-
-_PRESETS: dict[str, dict[str, Any]] = {
-    "cifar10": {},
-    "cifar100": {},
-    "imagenet100": dict(
-        arch="resnet50", epochs=90, milestones=(30, 60), weight_decay=1e-4, workers=8
-    ),
-    "digits": dict(arch="small", epochs=30, batch_size=256, milestones=(20, 25)),
-    "npz": dict(arch="small", epochs=50, milestones=(35, 45)),
-}
-
-
-def preset(dataset: str, **overrides: Any) -> VisionConfig:
-    """The paper's settings for ``cifar10``/``cifar100`` (ResNet-18, 200 epochs, decay at 140/180,
-    weight decay 5e-4) and ``imagenet100`` (ResNet-50, 90 epochs, decay at 30/60, 1e-4); the small
-    CNN with shorter schedules for ``digits`` and ``npz:`` arrays. ``overrides`` win.
-    """
-    key = "npz" if dataset.startswith("npz:") else dataset
-    return VisionConfig(**{**_PRESETS.get(key, {}), **overrides})
 
 
 # ------------------------------------------------------------------------------------ results
@@ -175,111 +51,6 @@ class VisionRun:
         return list(self.classes[:n_seen]) + [
             f"novel_{k + 1}" for k in range(self.net.head.weight.shape[0] - n_seen)
         ]
-
-
-def evaluate_heads(y_true: np.ndarray, heads: np.ndarray, n_seen: int) -> dict[str, float]:
-    """Open-world metrics of head predictions ``heads`` against class indices ``y_true``.
-
-    ``seen``: accuracy on seen-class images; ``novel``: Hungarian accuracy on novel-class images;
-    ``all``: Hungarian accuracy over all; ``novel_nmi``; ``novel_called_novel``: share of
-    novel-class images given a novel head; ``seen_called_novel``: share of seen-class images
-    given a novel head; ``novel_found``: novel heads holding at least 1% of the novel-class images
-    (or one image), to set beside the true number of novel classes.
-    """
-    y_true = np.asarray(y_true)
-    heads = np.asarray(heads)
-    pred = np.where(heads < n_seen, heads, n_seen + 1_000_000 + heads)  # novel heads never a class
-    seen = [str(c) for c in range(n_seen)]
-    is_seen = y_true < n_seen
-    called_novel = heads >= n_seen
-    n_novel_imgs = int((~is_seen).sum())
-    counts = np.bincount(heads[called_novel] - n_seen) if called_novel.any() else np.zeros(0)
-    found = int((counts >= max(1, 0.01 * n_novel_imgs)).sum())
-    return {
-        "seen": M.seen_accuracy(y_true, pred, seen),
-        "novel": M.novel_accuracy(y_true, pred, seen),
-        "all": M.all_accuracy(y_true, pred),
-        "novel_nmi": M.novel_nmi(y_true, pred, seen),
-        "novel_called_novel": float(called_novel[~is_seen].mean()) if n_novel_imgs else math.nan,
-        "seen_called_novel": float(called_novel[is_seen].mean()) if is_seen.any() else math.nan,
-        "novel_found": found,
-        "novel_true": int(np.unique(y_true[~is_seen]).size),
-    }
-
-
-@torch.no_grad()
-def predict(
-    net: VisionOrcaNet,
-    source: ImageSource,
-    augment,
-    device: torch.device,
-    rows: np.ndarray | None = None,
-    batch_size: int = 1024,
-    features: bool = False,
-    workers: int = 0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Head index, max softmax and (``features=True``) L2-normalised backbone features of the
-    images ``rows`` (default all), in eval mode on the test view.
-    """
-    net.eval()
-    rows = np.arange(len(source)) if rows is None else np.asarray(rows)
-    heads, conf, feats = [], [], []
-    batches = [rows[i : i + batch_size] for i in range(0, rows.size, batch_size)]
-    for x in source.batches(batches, device, workers):
-        logits, z = net(augment.test_view(x))
-        p = F.softmax(logits.float(), dim=1)
-        c, h = p.max(dim=1)
-        heads.append(h)
-        conf.append(c)
-        if features:
-            feats.append(F.normalize(z.float(), dim=1))
-    cat = lambda xs: torch.cat(xs).cpu().numpy() if xs else np.zeros(0)  # noqa: E731
-    return cat(heads).astype(np.int64), cat(conf), (cat(feats) if features else None)
-
-
-@torch.no_grad()
-def embed(
-    backbone: torch.nn.Module,
-    source: ImageSource,
-    augment,
-    device: torch.device,
-    batch_size: int = 1024,
-    workers: int = 0,
-) -> np.ndarray:
-    """L2-normalised backbone features ``(N, D)`` of all images of ``source`` (test view)."""
-    backbone.eval()
-    n = len(source)
-    batches = [np.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
-    out = [
-        F.normalize(backbone(augment.test_view(x)).float(), dim=1).cpu()
-        for x in source.batches(batches, device, workers)
-    ]
-    return torch.cat(out).numpy()
-
-
-def score(
-    net: VisionOrcaNet,
-    data: ImageData,
-    split: OpenWorldSplit,
-    device: torch.device,
-    *,
-    test: bool = True,
-    workers: int = 0,
-) -> tuple[dict[str, float], np.ndarray]:
-    """:func:`evaluate_heads` on the unlabelled training images (keys ``u_*``) and, with
-    ``test``, on the test split (``t_*``); also the unlabelled images' max softmax (whose mean
-    sets the next epoch's margin).
-    """
-    u_heads, u_conf, _ = predict(
-        net, data.train, data.augment, device, split.unlabelled, workers=workers
-    )
-    ev = evaluate_heads(data.y_train[split.unlabelled], u_heads, split.n_seen)
-    out = {f"u_{k}": v for k, v in ev.items()}
-    if test:
-        t_heads, _, _ = predict(net, data.test, data.augment, device, workers=workers)
-        ev = evaluate_heads(data.y_test, t_heads, split.n_seen)
-        out |= {f"t_{k}": v for k, v in ev.items()}
-    return out, u_conf
 
 
 # ----------------------------------------------------------------------------- ORCA training

@@ -1,0 +1,458 @@
+"""The query vote: in a batch without labelled cells (a separate query), Leiden clusters of the
+whole batch become candidates by their share of out-of-distribution cells (the share vote and
+its test), or where their cells score below the cross-fitted cosines of the known type that
+claims them, below that type's other cells in the batch, and further below them than any piece
+of a labelled type sits below the rest of its type (the contrast vote and its bar).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._ablation import DiscoveryRules
+from .._conformal import CrossConformal
+from .graph import leiden
+from .ood import cells_for_quantile
+
+_DEFAULTS = DiscoveryRules()
+
+
+def spread_notes(votes: list[dict], batch_names: list[str],
+                 class_names: list[str] | None) -> list[str]:  # fmt: skip
+    """Where the share vote's test left out clusters of a query batch
+    (``votes`` of :func:`query_ood_clusters`: taken by the share vote, no candidate): many of
+    their cells sit below their type's threshold, but as a whole they score like its labelled
+    cells, as a known type that a condition or stimulation spreads does. They stay known; the user is told
+    which, so that a type the reference lacks and a known type absorbs can be checked.
+    """
+    notes = []
+    for d in sorted({v["batch"] for v in votes}):  # loop over query batches
+        # a share-vote cluster is no candidate only where its test left it out
+        left = [v for v in votes if v["batch"] == d and v["share"] and not v["candidate"]]
+        if not left:
+            continue
+        parts = [
+            f"{v['cells']} cells"
+            + (
+                ""
+                if v["type"] is None or class_names is None
+                else f" of '{class_names[v['type']]}'"
+            )
+            + f" ({v['flagged']:.0%} below the threshold, mean p {v['mean_p']:.2f})"
+            for v in left
+        ]
+        notes.append(
+            f"In query batch '{batch_names[d]}', {len(left)} cluster(s) had many cells below "
+            f"their type's threshold but score like its labelled cells as a whole: "
+            f"{'; '.join(parts)}. They stay known (a condition or stimulation that spreads a "
+            f"known type looks like this); if one is a type the reference lacks, check its "
+            f"markers (uns['orca']['estimate']['query_votes'])."
+        )
+    return notes
+
+
+#: the conformal vote: a query cluster is a candidate when its cells' mean conformal p-value is
+#: at most this, i.e. they score below the unseen labelled cells of the types that claim them
+#: with at least a medium effect (AUROC 0.64, Cohen's d = 0.5 between normal scores) ...
+QUERY_MEAN_P = 0.36
+
+
+#: ... and the mean is below 1/2, its value for exchangeable cells, by a one-sided z-test at
+#: this level, Bonferroni-corrected over the batch's clusters (a few cells cannot show it)
+QUERY_LEVEL = 0.01
+
+
+def query_pvalues(
+    maxcos: np.ndarray,
+    predicted: np.ndarray,
+    labels: np.ndarray,
+    held_out: np.ndarray,
+    domain: np.ndarray,
+    cells: np.ndarray,
+    shift: dict[int, list[float | None]],
+    min_cells: int,
+) -> np.ndarray:
+    """Each of ``cells``' conformal p-value of novelty: the share of the held-out cosines of the
+    known type whose head scores it best (``predicted``) at or below its own best cosine, raised
+    by its batch's shift of that type (:func:`type_thresholds`), ``(1 + k) / (m + 1)``. Uniform
+    for a cell exchangeable with that type's labelled cells; low for a cell that scores below
+    them. NaN where the type has fewer than ``min_cells`` held-out cosines, and outside ``cells``.
+    Returns an array over all cells.
+    """
+    p = np.full(maxcos.shape[0], np.nan)
+    claimed, batch = predicted[cells], domain[cells]
+    for t in np.unique(claimed):  # loop over known types, not cells
+        ht = held_out[(labels == t) & np.isfinite(held_out)]
+        if ht.size < min_cells:
+            continue
+        for d in np.unique(batch):  # loop over batches
+            rows = cells[(claimed == t) & (batch == d)]
+            # nonconformity = minus the cosine: p = (1 + #{held-out <= the cell's}) / (m + 1)
+            counts = CrossConformal(rows.size)
+            counts.add(-ht, -(maxcos[rows] - (shift[int(d)][t] or 0.0)))
+            p[rows] = counts.pvalues()
+    return p
+
+
+#: the share vote's test reads a cluster with at least this many conformal p-values: with fewer
+#: the exact test cannot confirm a cluster of novel cells (at level 0.05 it needs a mean p below
+#: 0.16 from 2 values, below 0.29 from 5; the novel clusters' cells score 0.01-0.2)
+SHARE_TEST_MIN_VALUES = 5
+
+
+#: from this many p-values on, the test of their mean is the normal approximation
+MEAN_TEST_NORMAL_FROM = 20
+
+
+@functools.cache
+def _irwin_hall(n: int):
+    """The distribution of the sum of ``n`` independent uniforms on [0, 1]."""
+    from scipy.stats import irwinhall
+
+    return irwinhall(n)
+
+
+def mean_p_below_half(p: np.ndarray) -> float:
+    """One-sided test that the conformal p-values ``p`` (:func:`query_pvalues`) have a mean
+    below 1/2, their mean for cells exchangeable with the labelled cells: under that null
+    their sum is at least as large as that of as many independent uniforms (the p-values are
+    super-uniform), whose distribution is the Irwin-Hall's. Exact below
+    :data:`MEAN_TEST_NORMAL_FROM` values (``scipy.stats.irwinhall``), its normal approximation
+    (a z-test, standard deviation of a uniform 1/sqrt(12)) from there. Returns the p-value.
+    """
+    if p.size < MEAN_TEST_NORMAL_FROM:
+        return float(_irwin_hall(p.size).cdf(float(p.sum())))
+    z = (0.5 - float(p.mean())) * math.sqrt(12 * p.size)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def conformal_vote(p: np.ndarray, n_clusters: int) -> tuple[bool, float]:
+    """Whether a cluster whose cells have the conformal p-values ``p`` (:func:`query_pvalues`)
+    scores below the labelled cells: mean p at most :data:`QUERY_MEAN_P` and below 1/2 by
+    :func:`mean_p_below_half` at :data:`QUERY_LEVEL` / ``n_clusters``. Returns the decision
+    and the mean.
+    """
+    mean = float(p.mean())
+    pval = mean_p_below_half(p)
+    return bool(mean <= QUERY_MEAN_P and pval <= QUERY_LEVEL / max(n_clusters, 1)), mean
+
+
+def _mode(values: np.ndarray) -> int:
+    """The most common value (the smallest of those tied)."""
+    types, counts = np.unique(values, return_counts=True)
+    return int(types[np.argmax(counts)])
+
+
+def _auc_below(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """The probability that an ``x`` is above a ``y`` (ties count half) and the one-sided
+    Mann-Whitney p-value that the ``x`` are lower.
+    """
+    from scipy.stats import mannwhitneyu
+
+    res = mannwhitneyu(x, y, alternative="less")
+    return float(res.statistic) / (x.size * y.size), float(res.pvalue)
+
+
+def contrast_vote(
+    p: np.ndarray,
+    claimed: np.ndarray,
+    inside: np.ndarray,
+    outside: np.ndarray,
+    n_clusters: int,
+    min_cells: int,
+) -> tuple[bool, float | None]:
+    """Whether a cluster's cells score below the batch's other cells of the known type that
+    claims most of them: the conformal p-values ``p`` (:func:`query_pvalues`, finite) of the
+    cluster's cells (``inside``) claimed by that type are lower than those of the type's cells
+    in ``outside`` (the query vote passes the cells of the clusters that the conformal vote
+    does not flag, so that other novel clusters under the same head are not the comparison), by a one-sided Mann-Whitney test at :data:`QUERY_LEVEL` /
+    ``n_clusters`` with at least a medium effect (the probability that a cluster cell's p is
+    above an outside cell's at most :data:`QUERY_MEAN_P`). A known type whose cells the batch
+    shifts as a whole scores below its labelled cells but not below itself; a novel type that a
+    known type's head claims scores below that type's own cells in the batch. Where the type
+    has fewer than ``min_cells`` cells on either side there is nothing to compare with: no.
+    Returns the decision and the probability (``None``: not compared).
+    """
+    t = _mode(claimed[inside])
+    x, y = p[inside & (claimed == t)], p[outside & ~inside & (claimed == t)]
+    if x.size < min_cells or y.size < min_cells:
+        return False, None
+    auc, pval = _auc_below(x, y)
+    return bool(auc <= QUERY_MEAN_P and pval <= QUERY_LEVEL / max(n_clusters, 1)), auc
+
+
+def type_spread(held_out: np.ndarray, labels: np.ndarray, n_types: int) -> np.ndarray:
+    """Each known type's spread: the interquartile range of its labelled cells' cross-fitted
+    cosines (NaN where it has none), the unit of :func:`cosine_gap`.
+    """
+    out = np.full(n_types, np.nan)
+    fin = np.isfinite(held_out) & (labels >= 0)
+    for t in np.unique(labels[fin]):  # loop over types
+        q75, q25 = np.quantile(held_out[fin & (labels == t)], [0.75, 0.25])
+        out[t] = q75 - q25
+    return out
+
+
+def cosine_gap(inside: np.ndarray, outside: np.ndarray, spread: float) -> float:
+    """How far the cosines ``inside`` sit below ``outside``: the difference of their medians in
+    units of the type's ``spread`` (:func:`type_spread`). Unlike a rank statistic it does not
+    stop at "every cell below": a cluster far below its type scores higher than one just below.
+    """
+    diff = float(np.median(outside) - np.median(inside))
+    return diff / spread if spread > 0 else (math.inf if diff > 0 else 0.0)
+
+
+@dataclass(frozen=True)
+class ContrastBar:
+    """What the contrast vote's cluster must exceed: ``cosine`` (each cell's best seen-head
+    cosine), ``spread`` (:func:`type_spread`) and ``gaps`` (:func:`reference_gaps`, sorted; empty:
+    no labelled piece to compare with, no bar).
+    """
+
+    cosine: np.ndarray
+    spread: np.ndarray
+    gaps: np.ndarray
+
+    def passes(self, inside: np.ndarray, outside: np.ndarray, t: int) -> tuple[bool, float]:
+        """Whether the cells ``inside`` sit further below ``outside`` (cosines of type ``t``'s
+        cells) than any labelled piece below the rest of its type; and the gap.
+        """
+        gap = cosine_gap(self.cosine[inside], self.cosine[outside], float(self.spread[t]))
+        return bool(self.gaps.size == 0 or gap > self.gaps[-1]), gap
+
+
+def sampled_clusters(
+    emb: np.ndarray,
+    resolution: float,
+    seed: int,
+    n_neighbors: int,
+    max_cells: int | None,
+    stream: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Leiden cluster codes of the rows of ``emb`` cut on at most ``max_cells`` of them: a batch
+    of more rows is clustered on a random sample of ``max_cells`` rows (drawn from the run's
+    ``seed`` and the batch's ``stream``), and every other row takes the cluster most of its
+    ``n_neighbors`` nearest sample rows hold (the smallest code of those tied). A fixed
+    resolution cuts more clusters the more cells carry the same types; cut on a sample of fixed
+    size, the clusters are those of a batch of that size. Returns the codes of every row and
+    the mask of the sample's rows (the rows that vote; all of them when ``max_cells`` is
+    ``None`` or not exceeded).
+    """
+    n = emb.shape[0]
+    if max_cells is None or n <= max_cells:
+        return leiden(emb, resolution, seed, n_neighbors=n_neighbors), np.ones(n, dtype=bool)
+    from sklearn.neighbors import NearestNeighbors
+
+    rng = np.random.default_rng([seed, stream, 0x51])
+    voters = np.zeros(n, dtype=bool)
+    voters[rng.choice(n, max_cells, replace=False)] = True
+    sample = np.flatnonzero(voters)
+    codes = np.empty(n, dtype=np.int64)
+    codes[sample] = leiden(emb[sample], resolution, seed, n_neighbors=n_neighbors)
+    rest = np.flatnonzero(~voters)
+    nb = NearestNeighbors(n_neighbors=n_neighbors).fit(emb[sample])
+    k = int(codes[sample].max()) + 1
+    for lo in range(0, rest.size, 8192):  # chunks of rows: a (chunk, k) count table each
+        rows = rest[lo : lo + 8192]
+        near = codes[sample][nb.kneighbors(emb[rows], return_distance=False)]
+        flat = (np.arange(rows.size)[:, None] * k + near).ravel()
+        codes[rows] = np.bincount(flat, minlength=rows.size * k).reshape(rows.size, k).argmax(1)
+    return codes, voters
+
+
+def reference_gaps(
+    held_out: np.ndarray,
+    labels: np.ndarray,
+    domain: np.ndarray,
+    cells: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    spread: np.ndarray,
+    *,
+    resolution: float = _DEFAULTS.query_resolution,
+    seed: int = 0,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+    min_cells: int = cells_for_quantile(_DEFAULTS.novelty_alpha),
+    max_cells: int | None = _DEFAULTS.query_vote_cells,
+) -> np.ndarray:
+    """How far pieces of known types sit below the rest of their type, found as a query batch's
+    are: the labelled cells ``cells`` (each with a cross-fitted cosine ``held_out``) of each
+    batch clustered as a query batch is (Leiden on ``pca_of`` of the batch's cells at
+    ``resolution``, on a sample of at most ``max_cells`` of them, :func:`sampled_clusters`,
+    whose cells alone are then read), each cluster voted by :func:`conformal_vote` on its
+    cells' p-values (their rank among their type's cross-fitted cosines), and for each cluster
+    the :func:`cosine_gap` of its cells of its most common type against that type's cells in the
+    other clusters the vote leaves. A piece of a labelled type is a known type by definition, so the largest of
+    these is how far below its type a piece of a known type can sit here: the bar a query
+    cluster's gap must clear. Clusters with fewer than ``min_cells`` cells of the type on either
+    side are left out. Returns the gaps, sorted.
+    """
+    p = np.full(held_out.shape[0], np.nan)
+    for t in np.unique(labels[cells]):  # loop over types: p = #{j: h_j <= h_i} / n
+        rows = cells[labels[cells] == t]
+        p[rows] = np.searchsorted(np.sort(held_out[rows]), held_out[rows], side="right") / rows.size
+    out: list[float] = []
+    for d in np.unique(domain[cells]):  # loop over batches, not cells
+        idx = cells[domain[cells] == d]
+        if idx.size < 2 * min_cells:
+            continue
+        codes, voters = sampled_clusters(pca_of(idx), resolution, seed, n_neighbors, max_cells,
+                                         stream=int(d))  # fmt: skip
+        idx, codes = idx[voters], codes[voters]
+        lab, cos, pd_ = labels[idx], held_out[idx], p[idx]
+        clusters = np.unique(codes)
+        low = [c for c in clusters
+               if (codes == c).sum() >= min_cells and conformal_vote(pd_[codes == c], clusters.size)[0]]  # fmt: skip
+        leaves = ~np.isin(codes, low)
+        for c in clusters:  # loop over clusters
+            inside = codes == c
+            t = _mode(lab[inside])
+            x, y = cos[inside & (lab == t)], cos[leaves & ~inside & (lab == t)]
+            if x.size >= min_cells and y.size >= min_cells:
+                out.append(cosine_gap(x, y, float(spread[t])))
+    return np.sort(np.asarray(out, dtype=float))
+
+
+def query_ood_clusters(
+    ood: np.ndarray,
+    cells: np.ndarray,
+    domain: np.ndarray,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    *,
+    min_fraction: float = _DEFAULTS.query_min_fraction,
+    min_enrichment: float = _DEFAULTS.query_min_enrichment,
+    resolution: float = _DEFAULTS.query_resolution,
+    seed: int = 0,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+    pvalues: np.ndarray | None = None,
+    min_cells: int = cells_for_quantile(_DEFAULTS.novelty_alpha),
+    votes: list[dict] | None = None,
+    claimed: np.ndarray | None = None,
+    bar: ContrastBar | None = None,
+    share_level: float | None = None,
+    max_cells: int | None = _DEFAULTS.query_vote_cells,
+) -> list[np.ndarray]:
+    """Candidate novel clusters of batches without labelled cells, decided per cluster.
+
+    In a query batch, expression shifted by the batch makes some cells of known types score
+    poorly on the seen heads, while the seen heads absorb many cells of a novel type (a classifier
+    of two types scores a third confidently). Cell by cell, out-of-distribution calls are noisy
+    both ways; a cluster of the batch's cells takes a vote. All ``cells`` of each query batch are
+    clustered (Leiden on the PCA of that batch's cells, ``pca_of(idx)``), which keeps types
+    apart better than clustering only the out-of-distribution cells. A cluster is a candidate
+    when at least ``min_fraction`` of its cells are out-of-distribution (``ood``), or
+    ``min_enrichment`` times the batch's overall fraction (the share vote); with ``pvalues``
+    (every cell's conformal p-value, :func:`query_pvalues`; NaN where it has none), a cluster
+    with at least ``min_cells`` of them is also one when :func:`conformal_vote` says its cells
+    score below the labelled cells. The share vote reads a threshold that follows how closely
+    the warm-up fitted its labelled cells, which falls as the data grow; the conformal vote
+    reads the cells' scores against labelled cells no net trained on, so it does not. With
+    ``claimed`` (each cell's best seen head), such a cluster must also score below the cells of
+    the type that claims it in the batch's clusters the conformal vote does not flag
+    (:func:`contrast_vote`), and with ``bar`` sit further below them than any piece of a
+    labelled type sits below the rest of its type (:class:`ContrastBar`, :func:`reference_gaps`):
+    a known-type cluster exchangeable with the labelled pieces clears it with a chance of at
+    most ``1 / (pieces + 1)``. With ``share_level``, a cluster the share vote takes that has
+    p-values (at least :data:`SHARE_TEST_MIN_VALUES`) must also have their mean below 1/2
+    (:func:`mean_p_below_half`) at that level: the share vote counts the cells in the tail below
+    the threshold, which a known type whose cosines the batch spreads fills too, while its
+    cells as a whole score like the labelled cells. ``votes``: a list to which each cluster's
+    size, mean p-value (``None``: under :data:`SHARE_TEST_MIN_VALUES` of them), contrast
+    probability and gap (``None``: not compared), the share vote's
+    decision, its test's p-value (``None``: not tested) and the decision are appended. With
+    ``max_cells``, a larger batch is clustered on a sample of that many cells
+    (:func:`sampled_clusters`) and each cluster is voted on its sample cells alone: every vote
+    then reads as many cells as in a batch of ``max_cells``, and a candidate holds all the cells
+    its cluster took. Returns the index arrays of the candidates' cells.
+    """
+    found: list[np.ndarray] = []
+    for d in np.unique(domain[cells]):  # loop over batches, not cells
+        idx = cells[domain[cells] == d]
+        if idx.size < 2:  # a batch of one cell is not clustered
+            continue
+        codes, voters = sampled_clusters(pca_of(idx), resolution, seed, n_neighbors, max_cells,
+                                         stream=int(d))  # fmt: skip
+        members = idx  # every cell of the batch, by cluster; the votes read the sample's cells
+        idx, codes_all, codes = idx[voters], codes, codes[voters]
+        overall = ood[idx].mean()
+        clusters = np.unique(codes)
+        # the conformal vote of each cluster first: the contrast compares a flagged cluster
+        # with its type's cells in the clusters this vote leaves
+        conformal, below_half, means = {}, {}, {}
+        for c in clusters:
+            pc = None if pvalues is None else pvalues[idx[codes == c]]
+            if pc is None:
+                continue
+            pc = pc[np.isfinite(pc)]
+            if pc.size >= min_cells:
+                conformal[c] = conformal_vote(pc, clusters.size)[0]
+            if pc.size >= min(min_cells, SHARE_TEST_MIN_VALUES):
+                below_half[c], means[c] = mean_p_below_half(pc), float(pc.mean())
+        if claimed is not None and conformal:  # the contrast reads the finite p-values only
+            fin = np.isfinite(pvalues[idx])
+            p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
+            idx_fin = idx[fin]
+            leaves = ~np.isin(codes_fin, [c for c, low in conformal.items() if low])
+        for c in clusters:
+            m = idx[codes == c]  # the cluster's voters
+            frac = ood[m].mean()
+            share = bool(frac >= min_fraction or frac >= min_enrichment * overall)
+            share_p = below_half.get(c) if share and share_level is not None else None
+            low, mean = conformal.get(c, False), means.get(c)
+            auc = gap = None
+            if low and claimed is not None:
+                in_c = codes_fin == c
+                low, auc = contrast_vote(p_fin, claimed_fin, in_c, leaves, clusters.size, min_cells)
+                if low and bar is not None:  # the contrast's type and comparison cells
+                    t = _mode(claimed_fin[in_c])
+                    rest = idx_fin[leaves & ~in_c & (claimed_fin == t)]
+                    low, gap = bar.passes(m[claimed[m] == t], rest, t)
+            take = (share and (share_p is None or share_p <= share_level)) or low
+            if votes is not None:
+                votes.append({"batch": int(d), "cells": int((codes_all == c).sum()),
+                              "voters": int(m.size), "mean_p": mean,
+                              "contrast_auc": auc, "gap": gap, "share": share,
+                              "share_test_p": share_p, "candidate": take,
+                              "flagged": float(frac),
+                              "type": None if claimed is None else _mode(claimed[m])})  # fmt: skip
+            if take:
+                found.append(members[codes_all == c])
+    return found
+
+
+def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryRules, seed: int,
+                      pvalues=None, votes=None, claimed=None,
+                      bar=None) -> list[np.ndarray]:  # fmt: skip
+    """Candidates of the batches without labelled cells (none when there are none)."""
+    if not query.any():
+        return []
+    return query_ood_clusters(
+        ood, np.flatnonzero(query), domain, pca_cells,
+        min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
+        resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
+        pvalues=pvalues, min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes,
+        claimed=claimed, bar=bar, share_level=cfg.novelty_alpha,
+        max_cells=cfg.query_vote_cells,
+    )  # fmt: skip
+
+
+def _rank_by_size(
+    assign: np.ndarray, sizes: list[int], groups: list[np.ndarray]
+) -> tuple[np.ndarray, list[int]]:
+    """The query batches' candidates ``groups`` added to ``assign``; with them, candidates
+    renumbered by size, largest first.
+    """
+    for g in groups:
+        assign[g] = len(sizes)
+        sizes.append(int(g.size))
+    if groups:
+        order = np.argsort(-np.asarray(sizes), kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        assign = np.where(assign >= 0, rank[np.maximum(assign, 0)], -1)
+        sizes = [sizes[i] for i in order]
+    return assign, sizes
