@@ -14,6 +14,7 @@ import click
 
 from ._cli_common import (
     CliError,
+    Command,
     cli_logging,
     errors,
     read_h5ad,
@@ -33,7 +34,7 @@ def _csv_list(value: str | None, cast=str) -> list | None:
         ) from None
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option(
     "--outdir",
     default="orca_benchmark",
@@ -314,7 +315,7 @@ def _run_threads(runs) -> int | None:
     return int(runs["torch_threads"].max())
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("before", type=click.Path(dir_okay=False))
 @click.argument("after", type=click.Path(dir_okay=False))
 @click.option("--out", default=None, help="Also write the tables to this Markdown file.")

@@ -370,9 +370,7 @@ def resolve_config(config: OrcaConfig | None, where: str, **options: Any) -> Orc
     given = {k: v for k, v in options.items() if v is not DEFAULT}
     unknown = sorted(set(given) - _CONFIG_FIELDS - DISCOVERY_FIELDS)
     if unknown:
-        from ._ablation import ABLATION_FIELDS
-
-        lab = [k for k in unknown if k in ABLATION_FIELDS]
+        lab = [k for k in unknown if k in RETIRED_KEYS | RETIRED_DISCOVERY_KEYS]
         if lab:
             msg = (
                 f"{where}: {lab} are not options but the method's own settings; a method study "

@@ -6,7 +6,7 @@ anchor term of the first open-world epochs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,9 +21,6 @@ from ._cells import (
 from ._config import OrcaConfig
 from ._dist import BatchShard, Comm, active_shard
 from ._engine import stage
-
-if TYPE_CHECKING:
-    from ._train import Schedule
 from .module import (
     OrcaNet,
     SparseRows,
@@ -89,7 +86,7 @@ class OrcaLoss:
     terms = ("loss", "supervised", "pairwise", "regularizer", "anchor")
 
     def __init__(
-        self, data: CellMatrix, labels: np.ndarray, config: OrcaConfig, plan: Schedule, comm,
+        self, data: CellMatrix, labels: np.ndarray, config: OrcaConfig, plan: Any, comm,
         *, full: bool, prior=None, y_anchor=None, pair_features=None, generator=None,
         pair_fixed_only=None, lab: Ablation = LAB,
     ) -> None:  # fmt: skip

@@ -249,7 +249,7 @@ def test_config_object_and_keyword_overrides(small_sim):
 
 
 def test_non_finite_loss_stops_training(small_sim, monkeypatch):
-    import orca_sc._train as train
+    import orca_sc._loss as train
 
     real = train.margin_cross_entropy
     calls = []

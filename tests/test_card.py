@@ -74,6 +74,6 @@ def test_cli_predict_info_prints_the_card(split, tmp_path):
         line = next(x for x in r.output.splitlines() if x.strip().startswith(c + " "))
         assert f"{n:,}" in line and 0 <= float(line.split()[-1]) <= 1
     options = next(x for x in r.output.splitlines() if x.startswith("Options (not default): "))
-    assert "overall accuracy" in r.output and "epochs=5" in options
+    assert "overall accuracy" in r.output and "epochs=10" in options
     r = runner.invoke(main, ["predict", str(tmp_path / "m.pt")])
     assert r.exit_code == 2 and "Missing argument 'QUERY.h5ad' (or pass --info)" in r.output

@@ -369,7 +369,7 @@ def test_unwritable_output_directory(files, tmp_path, monkeypatch):
     locked.mkdir()
     real_access = os.access
     monkeypatch.setattr(
-        "orca_sc.cli.os.access",
+        "orca_sc._cli_common.os.access",
         lambda p, mode: False if str(p) == str(locked) else real_access(p, mode),
     )
     r = _invoke(_annotate_args(files / "ref.h5ad", files / "query.h5ad", tmp_path, "-o",

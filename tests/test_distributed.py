@@ -145,7 +145,7 @@ def test_cli_under_torchrun_writes_once_and_reports_errors_once(tmp_path):
     ref, query = a[:450], a[450:]
     ref[ref.obs["cell_type"] != "type_4"].copy().write_h5ad(tmp_path / "ref.h5ad")
     query.copy().write_h5ad(tmp_path / "query.h5ad")
-    common = ["annotate", "ref.h5ad", "query.h5ad", "--epochs", "4", "--min-steps", "20"]
+    common = ["annotate", "ref.h5ad", "query.h5ad", "--epochs", "4"]
     proc = _torchrun(
         [*common, "--labels-key", "cell_type", "-o", "out.h5ad", "--on-disk"], tmp_path
     )

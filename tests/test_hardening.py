@@ -132,7 +132,7 @@ def test_reference_that_is_an_annotated_query(tmp_path):
     ],
 )
 def test_bad_options_fail_before_any_work(option, value, fragment, monkeypatch):
-    import orca_sc._pipeline as pipeline
+    import orca_sc._context as pipeline
 
     def no_work(*args, **kwargs):
         raise AssertionError("data were prepared before the options were checked")
@@ -514,7 +514,7 @@ def test_cli_errors_name_cli_options(extra, fragment, pair, tmp_path):
 
 def test_cli_short_run_shortens_the_warm_up(pair, tmp_path):
     r = _invoke(["annotate", pair / "ref.h5ad", pair / "q.h5ad", "--labels-key", "cell_type",
-                 "-o", tmp_path / "o.h5ad", "--epochs", "2", "--min-steps", "40",
+                 "-o", tmp_path / "o.h5ad", "--epochs", "2",
                  "--n-genes", "0", "-q"])  # fmt: skip
     assert r.exit_code == 0, r.output
     uns = ad.read_h5ad(tmp_path / "o.h5ad").uns["orca"]

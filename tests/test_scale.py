@@ -10,7 +10,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 from click.testing import CliRunner
-from conftest import FAST, FAST_LAB, SHARED_DATA
+from conftest import FAST, FAST_LAB, FAST_OPTIONS, SHARED_DATA
 
 import orca_sc
 import orca_sc._read as read_mod
@@ -192,7 +192,8 @@ def test_annotate_predict_and_cli_from_disk_give_the_in_memory_labels(on_disk, t
     """
     ref, query, paths = on_disk
     before = _md5(paths["query"])
-    kw = {**FAST, "n_genes": 150}
+    # the command line's schedule (no Ablation there): 10 epochs of at least 15 steps
+    kw = {**FAST_OPTIONS, "n_genes": 150, "epochs": 10, "warmup_epochs": 2}
     q_mem = query.copy()
     orca_sc.tl.annotate(q_mem, ref, labels_key="cell_type", save_model=tmp_path / "m.pt", **kw)
     model = orca_sc.OrcaModel.load(tmp_path / "m.pt")
@@ -210,8 +211,8 @@ def test_annotate_predict_and_cli_from_disk_give_the_in_memory_labels(on_disk, t
     np.testing.assert_array_equal(labels_disk, labels_mem)
     assert info["input_scale"] == "counts"
     # the command line, the reference read from disk too
-    args = ["annotate", paths["ref"], paths["query"], "--labels-key", "cell_type", "--epochs", "5",
-            "--warmup-epochs", "1", "--min-steps", "150", "--n-genes", "150", "-q",
+    args = ["annotate", paths["ref"], paths["query"], "--labels-key", "cell_type", "--epochs", "10",
+            "--warmup-epochs", "2", "--n-genes", "150", "-q",
             "-o", tmp_path / "disk.h5ad", "--on-disk"]  # fmt: skip
     r = CliRunner().invoke(main, [str(x) for x in args])
     assert r.exit_code == 0, (r.output, r.exception)

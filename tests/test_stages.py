@@ -180,7 +180,7 @@ def test_size_check_of_a_run_leaves_its_labels_alone(small_sim, monkeypatch):
     orca_sc.tl.annotate(plain, labels_key="lab", seed=0, **FAST, **LABELS_ONLY)
     assert "size_check" not in plain.uns["orca"]["estimate"]  # 500 cells: no check
     monkeypatch.setattr(sc_mod, "SAMPLE_CELLS", 150)
-    import orca_sc._pipeline as pipe
+    import orca_sc._context as pipe
 
     matrices, real_embedding = [], pipe.pca_embedding
 
@@ -210,7 +210,7 @@ def test_discovery_on_a_sample_of_fixed_size_finds_the_novel_types_of_every_cell
     What the PCA reads (log values or Pearson residuals) is chosen once, on the sample, and the
     pair partners of every cell read what discovery read.
     """
-    import orca_sc._pipeline as pipe
+    import orca_sc._context as pipe
 
     calls, read = [], []
     real_choose, real_residuals = pipe.choose_pca_input, pipe.RunContext.residuals
@@ -256,7 +256,7 @@ def test_the_pca_of_all_cells_is_computed_once(small_sim, monkeypatch):
     """Discovery and the pair partners both read the PCA of all cells: one computation, the
     same array, and the labels of a run that computes it twice.
     """
-    import orca_sc._pipeline as pipe
+    import orca_sc._context as pipe
 
     computed, read = [], []
     real_pca, real_embedding = pipe.RunContext.pca, pipe.pca_embedding
@@ -375,8 +375,7 @@ def test_few_labels_are_flagged_and_calibration_keeps_known_types_known(monkeypa
     query (~12 cells per type). With the threshold taken on the cells the warm-up trained on
     (the default), 37-63% of the known-type cells were called novel at seeds 0-2 of the
     development suite, and the output says the labels are few; calibrated on held-out cells
-    (``calibration_fraction=0.2``), known cells stay known (seen 0.85); capped at the
-    cross-fitted cosines (``cross_fit_threshold``), no more are, without a label lost.
+    (``calibration_fraction=0.2``), known cells stay known (seen 0.85).
     """
     task = _sim_task(n_ref=200, n_query=150)
     off, u_off = _run(task, **LABELS_ONLY)
@@ -389,18 +388,6 @@ def test_few_labels_are_flagged_and_calibration_keeps_known_types_known(monkeypa
     assert u["estimate"]["n_calibration"] > 20
     assert u["estimate"]["threshold"] <= u["estimate"]["threshold_in_sample"]
     assert off["known_called_novel"] > r["known_called_novel"]
-    # the cross-fitted cap: every label trains the warm-up, each labelled cell is held out of
-    # one of the novelty test's five warm-ups (as in every run with novelty_folds=5, the
-    # default: every label both trains and calibrates), and fewer known-type cells are called
-    # novel
-    n_labelled = _count_warmup_labels(monkeypatch)
-    cf, u_cf = _run(task, cross_fit_threshold=True)
-    est = u_cf["estimate"]
-    assert len(n_labelled) == 6 and n_labelled[0] == task.reference.n_obs
-    assert est["n_cross_fitted"] == n_labelled[0] == sum(n_labelled[0] - n for n in n_labelled[1:])
-    assert est["threshold"] == est["threshold_cross_fitted"] < est["threshold_in_sample"]
-    assert "threshold_cross_fitted" not in u_off["estimate"]
-    assert cf["known_called_novel"] <= off["known_called_novel"]  # a lower threshold
 
 
 def test_per_type_thresholds_hold_each_types_rate_and_follow_a_query_shift():
@@ -530,6 +517,7 @@ def test_threshold_capped_by_cross_fitted_cosines():
 
 def _count_warmup_labels(monkeypatch) -> list[int]:
     """The number of labelled cells of every warm-up the pipeline trains, in order."""
+    import orca_sc._crossfit as crossfit
     import orca_sc._pipeline as pipeline
 
     n_labelled = []
@@ -539,7 +527,8 @@ def _count_warmup_labels(monkeypatch) -> list[int]:
         n_labelled.append(int((labels >= 0).sum()))
         return real(cells, labels, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "fit_warmup", spy)
+    monkeypatch.setattr(pipeline, "fit_warmup", spy)  # the main warm-up, the self-check's
+    monkeypatch.setattr(crossfit, "fit_warmup", spy)  # the cross-fitted ones
     return n_labelled
 
 
