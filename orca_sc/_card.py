@@ -11,26 +11,20 @@ import platform
 import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
 
 from . import __version__
+from ._ambient import ambient, current
 from ._config import OrcaConfig
-
-#: the command line of an ``orca-sc`` run (set by the CLI; ``None`` from Python)
-COMMAND: ContextVar[str | None] = ContextVar("orca_command", default=None)
 
 
 @contextmanager
 def command_line(argv: list[str]) -> Iterator[None]:
     """Within the block, cards record ``orca-sc`` with ``argv`` as the command that trained."""
-    token = COMMAND.set(shlex.join(["orca-sc", *argv]))
-    try:
+    with ambient(command=shlex.join(["orca-sc", *argv])):
         yield
-    finally:
-        COMMAND.reset(token)
 
 
 def _versions() -> dict[str, str]:
@@ -84,7 +78,7 @@ def model_card(fit: Any, novel_sizes: dict[str, int], labels_key: str) -> dict[s
         }
     check = fit.self_check or {}
     return {
-        "command": COMMAND.get(),
+        "command": current().command,
         "labels_key": labels_key,
         "reference": {
             "n_cells": int(lab.sum()),

@@ -23,6 +23,7 @@ from ._discover import (
     pca_embedding,
 )
 from ._discover.compute import kneighbors
+from ._discover.graph import pca_input_verdict
 from ._dist import Comm, init_from_env, rank_device
 from ._engine import stage
 from ._integrate import integrated_space
@@ -64,8 +65,6 @@ def choose_pca_input(run: RunContext, residuals: PearsonResiduals) -> dict[str, 
     :data:`PCA_INPUT_ALPHA`: the log values stay unless the data show the residuals pay.
     Returns the record (both accuracies, the discordant counts, the p-value).
     """
-    from scipy.stats import binom
-
     d, dc, seed = run.data, run.rules, run.config.seed
     lab = np.flatnonzero(d.labels >= 0)
     if lab.size > dc.calibration_cells:
@@ -82,18 +81,7 @@ def choose_pca_input(run: RunContext, residuals: PearsonResiduals) -> dict[str, 
         nb = y[kneighbors(z, dc.n_neighbors)]  # each cell itself left out
         votes = np.stack([(nb == k).sum(axis=1) for k in range(int(y.max()) + 1)], axis=1)
         right.append(votes.argmax(axis=1) == y)
-    log_only, res_only = int((right[0] & ~right[1]).sum()), int((right[1] & ~right[0]).sum())
-    p = float(binom.sf(res_only - 1, log_only + res_only, 0.5)) if res_only > log_only else 1.0
-    return {
-        **record,
-        "pca_input": "pearson" if p < PCA_INPUT_ALPHA else "log",
-        "knn_accuracy_log": float(right[0].mean()),
-        "knn_accuracy_pearson": float(right[1].mean()),
-        "right_only_log": log_only,
-        "right_only_pearson": res_only,
-        "p_value": p,
-        "n_cells": int(lab.size),
-    }
+    return {**record, **pca_input_verdict(right[0], right[1], PCA_INPUT_ALPHA)}
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ the benchmarks time the stages and trace the stopping rule without patching anyt
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ._ambient import ambient, current
 from ._dist import sharded
 from ._errors import TrainingDivergedError
 
@@ -68,25 +68,17 @@ class Callback:
         """A stage of the pipeline ended after ``seconds``."""
 
 
-_OBSERVERS: contextvars.ContextVar[tuple[Callback, ...]] = contextvars.ContextVar(
-    "observers", default=()
-)
-
-
 @contextlib.contextmanager
 def observe(*callbacks: Callback) -> Iterator[tuple[Callback, ...]]:
     """Install ``callbacks`` on every phase and stage run inside the ``with`` block."""
-    token = _OBSERVERS.set((*_OBSERVERS.get(), *callbacks))
-    try:
+    with ambient(observers=(*current().observers, *callbacks)):
         yield callbacks
-    finally:
-        _OBSERVERS.reset(token)
 
 
 @contextlib.contextmanager
 def stage(name: str) -> Iterator[None]:
     """Mark a stage of the pipeline for the installed observers (nothing without one)."""
-    observers = _OBSERVERS.get()
+    observers = current().observers
     if not observers:
         yield
         return
@@ -269,7 +261,7 @@ def fit_phase(
     """
     model = net if model is None else model
     history = [] if history is None else history
-    callbacks = (*callbacks, *_OBSERVERS.get())
+    callbacks = (*callbacks, *current().observers)
     first = len(history)
     for cb in callbacks:
         cb.on_phase_start(phase, net)

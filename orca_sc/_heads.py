@@ -17,7 +17,7 @@ from ._annotation import (
     Naming,
 )
 from ._discover import match_known_types, match_novel_across_batches, name_heads
-from ._discover.naming import cluster_reliabilities, naming_means
+from ._discover.naming import cluster_reliabilities, naming_means, too_few_cells
 from ._pipeline import Fit
 from .module import OrcaNet
 
@@ -111,7 +111,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
     # a head that won fewer cells than a cluster needs is no cluster: pruned (its cells take
     # their next most probable head), unless its signature made it a known type above
     bar = fit.rules.min_novel_cells
-    too_few = counts < bar
+    too_few = too_few_cells(counts, bar)
     head_names, order = name_heads(np.where(too_few, 0, counts), classes, pairs, same)
     # the cells of each head that pruning took, largest first (a head merged into a known type
     # keeps its name)

@@ -3,8 +3,8 @@
 import numpy as np
 
 import orca_sc
-from orca_sc._annotation import evidence_note, novel_evidence
 from orca_sc._discover._stage import _FEW_LABELS as FEW_LABELS
+from orca_sc._discover.evidence import evidence_note, novel_evidence
 from tests.conftest import FAST
 
 TYPES = ["B", "T", "NK"]

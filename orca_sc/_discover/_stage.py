@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from .._ablation import DiscoveryRules
-from .query import QUERY_LEVEL, QUERY_MEAN_P
 
 _DEFAULTS = DiscoveryRules()
 #: below this many unlabelled cells, discover notes that small novel types go undetected
@@ -100,59 +99,3 @@ def _notes(labels, n_seen: int, n_cal: int, cfg: DiscoveryRules) -> list[str]:
             "queries: a third of the novel-type cells were)."
         )
     return notes
-
-
-def _method(resolution: float, has_query: bool, cfg: DiscoveryRules, contrast: bool) -> str:
-    """How the candidates were found, in words (``estimate['method']``)."""
-    text = (
-        f"Leiden clusters (resolution {resolution:g}) of cells below the "
-        f"{cfg.ood_quantile:.0%} quantile of labelled max cosine or with improbably few "
-        "labelled neighbours"
-    )
-    if has_query:
-        share = (
-            f"at least {cfg.query_min_fraction:.0%} (or {cfg.query_min_enrichment:g}x the "
-            "batch's share) of such cells"
-        )
-        if contrast:
-            share += (
-                ", or whose cells score below the cross-fitted cosines of the known types that "
-                f"claim them (mean conformal p <= {QUERY_MEAN_P:g}, below 1/2 at level "
-                f"{QUERY_LEVEL:g})"
-            )
-        if contrast:
-            share += (
-                " and below that type's cells in the batch's clusters this leaves "
-                f"(Mann-Whitney at level {QUERY_LEVEL:g}, P(above) <= {QUERY_MEAN_P:g}), "
-                "further (median cosine) than any Leiden piece of a labelled type sits below the "
-                "rest of its type (estimate['contrast_bar'])"
-            )
-        text += (
-            f"; in batches without labels, Leiden clusters (resolution "
-            f"{cfg.query_resolution:g}) of the batch with {share}"
-        )
-    return text
-
-
-def _diagnostics(sizes, ev, domain_names, resolution_scores, heads, groups,
-                 has_query: bool, tau_info: dict, calib: np.ndarray,
-                 cfg: DiscoveryRules, *, contrast: bool) -> dict[str, Any]:  # fmt: skip
-    """The JSON-able figures of the stage (``uns['orca']['estimate']``)."""
-    resolution, scores = resolution_scores
-    return {
-        "n_novel": len(sizes),
-        "cluster_sizes": list(sizes),
-        "n_supported_by_labels": int(ev.supported.sum()),
-        "n_label_deserts": int(ev.desert.sum()),
-        "label_neighbours": {
-            (domain_names[d] if domain_names else str(d)): k for d, k in ev.neighbours.items()
-        },  # fmt: skip
-        "segregated_batches": [domain_names[d] if domain_names else str(d) for d in ev.segregated],
-        "resolution": resolution,
-        "resolution_ari": dict(zip(map(str, cfg.resolution_grid), scores, strict=False)),
-        "n_anchored": int(heads.core.sum()),
-        "n_query_clusters": len(groups),
-        "method": _method(resolution, has_query, cfg, contrast),
-        **tau_info,
-        "n_calibration": int(calib.sum()),
-    }

@@ -14,14 +14,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
 
-_DEVICE: ContextVar[Any] = ContextVar("orca_sc_discovery_device", default=None)
-#: the neighbours found so far in a run (:func:`neighbours_once`), by set of points and count
-_FOUND: ContextVar[dict | None] = ContextVar("orca_sc_discovery_neighbours", default=None)
+from .._ambient import ambient, current
 
 #: squared distances computed at once by :func:`kneighbors` on a device (256 MiB of float32)
 _BLOCK_VALUES = 1 << 26
@@ -36,11 +33,8 @@ def on_device(device: Any, *, force: bool = False) -> Iterator[None]:
     if not (force or getattr(device, "type", None) == "cuda"):
         yield
         return
-    token = _DEVICE.set(device)
-    try:
+    with ambient(device=device):
         yield
-    finally:
-        _DEVICE.reset(token)
 
 
 @contextmanager
@@ -50,16 +44,13 @@ def neighbours_once() -> Iterator[None]:
     graph in several tests: at 100,000 cells the same 17,832 x 15 search ran twice, 0.8 s each
     on 2 CPU threads). The search is exact and deterministic, so the answer is the same.
     """
-    token = _FOUND.set({})
-    try:
+    with ambient(found={}):
         yield
-    finally:
-        _FOUND.reset(token)
 
 
 def device() -> Any:
     """The torch device discovery computes on, or ``None`` (NumPy and scikit-learn)."""
-    return _DEVICE.get()
+    return current().device
 
 
 def kneighbors(emb: np.ndarray, k: int, queries: np.ndarray | None = None) -> np.ndarray:
@@ -67,7 +58,7 @@ def kneighbors(emb: np.ndarray, k: int, queries: np.ndarray | None = None) -> np
     row of ``queries``; without ``queries``, to each row of ``emb``, itself left out (as
     scikit-learn's ``kneighbors()`` without ``X``).
     """
-    found = _FOUND.get()
+    found = current().found
     if found is not None and queries is None:
         emb = np.ascontiguousarray(emb)
         key = (emb.shape, emb.dtype.str, int(k), hashlib.sha1(emb.view(np.uint8)).digest())

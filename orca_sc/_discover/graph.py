@@ -301,3 +301,26 @@ def resolve_resolution(
     if not calibrate:
         return float(cfg.fallback_resolution), []
     return calibrate_resolution(labels, pca_of, seed=seed, cfg=cfg)
+
+
+def pca_input_verdict(right_log: np.ndarray, right_pearson: np.ndarray, alpha: float) -> dict:
+    """The rule that picks what discovery's PCA reads (``pca_input="auto"``), from which
+    labelled cells the majority of their nearest labelled neighbours names right in the log
+    values (``right_log``) and in the Pearson residuals (``right_pearson``): the residuals where
+    they name more cells right and a one-sided exact McNemar test on the cells the two disagree
+    on rejects "no better" at ``alpha``, else the log values. Returns the verdict and its figures.
+    """
+    from scipy.stats import binom
+
+    log_only = int((right_log & ~right_pearson).sum())
+    res_only = int((right_pearson & ~right_log).sum())
+    p = float(binom.sf(res_only - 1, log_only + res_only, 0.5)) if res_only > log_only else 1.0
+    return {
+        "pca_input": "pearson" if p < alpha else "log",
+        "knn_accuracy_log": float(right_log.mean()),
+        "knn_accuracy_pearson": float(right_pearson.mean()),
+        "right_only_log": log_only,
+        "right_only_pearson": res_only,
+        "p_value": p,
+        "n_cells": int(right_log.size),
+    }

@@ -393,3 +393,11 @@ def name_heads(
             if names[n_seen + member] is None:
                 names[n_seen + member] = name
     return names, order
+
+
+def too_few_cells(counts: np.ndarray, min_cells: int) -> np.ndarray:
+    """The pruning rule: a novel head that won fewer than ``min_cells`` unlabelled cells
+    (``counts``, per novel head) is no cluster the data can support; its cells take their next
+    most probable head. Returns the mask of the heads pruned.
+    """
+    return np.asarray(counts) < min_cells

@@ -400,18 +400,27 @@ def query_ood_clusters(
         for c in clusters:
             m = idx[codes == c]  # the cluster's voters
             frac = ood[m].mean()
+            # the share vote: enough of its cells below their threshold ...
             share = bool(frac >= min_fraction or frac >= min_enrichment * overall)
+            # ... and, where they have p-values, scoring below the labelled cells as a whole
             share_p = below_half.get(c) if share and share_level is not None else None
-            low, mean = conformal.get(c, False), means.get(c)
+            share_test = share_p is None or share_p <= share_level
+            # the conformal vote: its cells score below the labelled cells of their type
+            conformal_low, mean = conformal.get(c, False), means.get(c)
+            # the contrast: below that type's cells in the batch's other clusters, and further
+            # below them than any labelled piece sits below its type (the bar)
+            contrast_low = bar_low = True
             auc = gap = None
-            if low and claimed is not None:
+            if conformal_low and claimed is not None:
                 in_c = codes_fin == c
-                low, auc = contrast_vote(p_fin, claimed_fin, in_c, leaves, clusters.size, min_cells)
-                if low and bar is not None:  # the contrast's type and comparison cells
+                contrast_low, auc = contrast_vote(
+                    p_fin, claimed_fin, in_c, leaves, clusters.size, min_cells
+                )
+                if contrast_low and bar is not None:  # the contrast's type and comparison cells
                     t = _mode(claimed_fin[in_c])
                     rest = idx_fin[leaves & ~in_c & (claimed_fin == t)]
-                    low, gap = bar.passes(m[claimed[m] == t], rest, t)
-            take = (share and (share_p is None or share_p <= share_level)) or low
+                    bar_low, gap = bar.passes(m[claimed[m] == t], rest, t)
+            take = (share and share_test) or (conformal_low and contrast_low and bar_low)
             if votes is not None:
                 votes.append({"batch": int(d), "cells": int((codes_all == c).sum()),
                               "voters": int(m.size), "mean_p": mean,
