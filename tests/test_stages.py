@@ -816,7 +816,7 @@ def test_contrast_query_vote_leaves_a_type_the_batch_shifts_as_a_whole():
     clusters that type 0's head claims beside type 0's own cells are both taken (neither is the
     other's comparison, though the larger would hide the smaller); a known type the batch
     shifts as a whole (every cell low against its labelled cells, no other cell of it in the
-    batch) is taken by the either vote and not by the contrast vote. The comparison is
+    batch) is not taken, though the conformal vote alone flags it. The comparison is
     recorded.
     """
     from orca_sc._discover import query_ood_clusters
@@ -831,13 +831,13 @@ def test_contrast_query_vote_leaves_a_type_the_batch_shifts_as_a_whole():
     claimed = np.where(truth == "W", 1, 0)
     ood = rng.random(truth.size) < 0.05  # the share vote takes nothing
     args = (ood, np.arange(truth.size), np.zeros(truth.size, int), lambda idx: emb[idx])
-    either = query_ood_clusters(*args, resolution=0.2, pvalues=p)
-    assert sorted(pd.Series(truth[g]).mode()[0] for g in either) == ["M", "N", "W"]
     votes: list[dict] = []
     contrast = query_ood_clusters(*args, resolution=0.2, pvalues=p, claimed=claimed, votes=votes)
     assert sorted(pd.Series(truth[g]).mode()[0] for g in contrast) == ["M", "N"]
     compared = [v["contrast_auc"] for v in votes if v["contrast_auc"] is not None]
     assert len(votes) == 4 and len(compared) == 2 and max(compared) < 0.36
+    w = next(v for v in votes if v["type"] == 1)
+    assert w["mean_p"] < 0.36 and not w["candidate"]  # W: low as a whole, alone of its type
     # against every other cell of type 0, the 80-cell cluster would not be taken
     assert not contrast_vote(p, claimed, truth == "N", truth != "N", 4, 20)[0]
 
@@ -899,10 +899,10 @@ def test_contrast_vote_clears_the_bar_of_labelled_pieces():
 
 def test_query_votes_take_a_cluster_either_vote_takes():
     """A cluster is a candidate by its share of out-of-distribution cells or, where its cells
-    have p-values, by the conformal vote: a novel cluster with few flagged cells but low
-    p-values is taken, a cluster of flagged cells without p-values (its type has too few
-    cross-fitted cells) is taken, a known cluster with uniform p-values and few flagged cells is
-    not. Every vote is recorded.
+    have p-values, by the contrast vote: a novel cluster with few flagged cells but low
+    p-values (below the cells of the type that claims it) is taken, a cluster of flagged cells
+    without p-values (its type has too few cross-fitted cells) is taken, a known cluster with
+    uniform p-values and few flagged cells is not. Every vote is recorded.
     """
     from orca_sc._discover import query_ood_clusters
 
@@ -916,7 +916,8 @@ def test_query_votes_take_a_cluster_either_vote_takes():
     ood = rng.random(truth.size) < np.where(truth == "N", 0.2, np.where(truth == "K", 0.03, 0.7))
     args = (ood, np.arange(truth.size), np.zeros(truth.size, int), lambda idx: emb[idx])
     votes: list[dict] = []
-    groups = query_ood_clusters(*args, resolution=0.2, pvalues=p, votes=votes)
+    claimed = np.zeros(truth.size, int)  # one head claims every cell
+    groups = query_ood_clusters(*args, resolution=0.2, pvalues=p, claimed=claimed, votes=votes)
     assert sorted(pd.Series(truth[g]).mode()[0] for g in groups) == ["N", "S"]
     assert len(votes) == 3 and sum(v["candidate"] for v in votes) == 2
     assert sorted(v["mean_p"] is None for v in votes) == [False, False, True]
@@ -955,7 +956,8 @@ def test_share_vote_needs_the_cells_to_score_low_as_a_whole():
     ood = (p <= 0.05) | ((truth == "S") & (rng.random(truth.size) < 0.7))
     args = (ood, np.arange(truth.size), np.zeros(truth.size, int), lambda idx: emb[idx])
     mode = lambda groups: sorted(pd.Series(truth[g]).mode()[0] for g in groups)  # noqa: E731
-    kw = {"resolution": 0.2, "pvalues": p, "min_fraction": 0.5, "min_enrichment": 2.0}
+    kw = {"resolution": 0.2, "pvalues": p, "min_fraction": 0.5, "min_enrichment": 2.0,
+          "claimed": np.zeros(truth.size, int)}  # fmt: skip
     assert mode(query_ood_clusters(*args, **kw)) == ["N", "S", "W"]
     votes: list[dict] = []
     assert mode(query_ood_clusters(*args, **kw, share_level=0.05, votes=votes)) == ["N", "S"]
@@ -1007,7 +1009,8 @@ def test_share_vote_test_reads_clusters_with_few_p_values():
     ood = np.where(np.isin(truth, ["N", "W", "F"]), rng.random(truth.size) < 0.8,
                    rng.random(truth.size) < 0.02)  # fmt: skip
     args = (ood, np.arange(truth.size), np.zeros(truth.size, int), lambda idx: emb[idx])
-    kw = {"resolution": 0.2, "pvalues": p, "min_fraction": 0.5, "min_enrichment": 2.0}
+    kw = {"resolution": 0.2, "pvalues": p, "min_fraction": 0.5, "min_enrichment": 2.0,
+          "claimed": np.zeros(truth.size, int)}  # fmt: skip
     votes: list[dict] = []
     found = query_ood_clusters(*args, **kw, share_level=0.05, votes=votes)
     assert sorted(pd.Series(truth[g]).mode()[0] for g in found) == ["F", "N"]

@@ -350,9 +350,9 @@ def query_ood_clusters(
     with at least ``min_cells`` of them is also one when :func:`conformal_vote` says its cells
     score below the labelled cells. The share vote reads a threshold that follows how closely
     the warm-up fitted its labelled cells, which falls as the data grow; the conformal vote
-    reads the cells' scores against labelled cells no net trained on, so it does not. With
-    ``claimed`` (each cell's best seen head), such a cluster must also score below the cells of
-    the type that claims it in the batch's clusters the conformal vote does not flag
+    reads the cells' scores against labelled cells no net trained on, so it does not. Such a
+    cluster must also (the contrast vote; ``claimed``, each cell's best seen head, is then
+    required) score below the cells of the type that claims it in the batch's clusters the conformal vote does not flag
     (:func:`contrast_vote`), and with ``bar`` sit further below them than any piece of a
     labelled type sits below the rest of its type (:class:`ContrastBar`, :func:`reference_gaps`):
     a known-type cluster exchangeable with the labelled pieces clears it with a chance of at
@@ -369,6 +369,9 @@ def query_ood_clusters(
     then reads as many cells as in a batch of ``max_cells``, and a candidate holds all the cells
     its cluster took. Returns the index arrays of the candidates' cells.
     """
+    if pvalues is not None and claimed is None:
+        msg = "the contrast vote compares a cluster with its type's cells: pass claimed too"
+        raise ValueError(msg)
     found: list[np.ndarray] = []
     for d in np.unique(domain[cells]):  # loop over batches, not cells
         idx = cells[domain[cells] == d]
@@ -392,7 +395,7 @@ def query_ood_clusters(
                 conformal[c] = conformal_vote(pc, clusters.size)[0]
             if pc.size >= min(min_cells, SHARE_TEST_MIN_VALUES):
                 below_half[c], means[c] = mean_p_below_half(pc), float(pc.mean())
-        if claimed is not None and conformal:  # the contrast reads the finite p-values only
+        if conformal:  # the contrast reads the finite p-values only
             fin = np.isfinite(pvalues[idx])
             p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
             idx_fin = idx[fin]
@@ -411,7 +414,7 @@ def query_ood_clusters(
             # below them than any labelled piece sits below its type (the bar)
             contrast_low = bar_low = True
             auc = gap = None
-            if conformal_low and claimed is not None:
+            if conformal_low:
                 in_c = codes_fin == c
                 contrast_low, auc = contrast_vote(
                     p_fin, claimed_fin, in_c, leaves, clusters.size, min_cells
