@@ -2,7 +2,8 @@
 
 For each development-suite task (``orca_sc.benchmark.dev_suite``) at the given seeds: the md5 of
 ``obs['orca_label']``, ``obs['orca_novel']``, ``obs['orca_confidence']``, ``obs['orca_novelty']``
-and ``obsm['X_orca']`` (their bytes), and of ``uns['orca']`` without its timings. Then the same
+and ``obsm['X_orca']`` (their bytes), and of ``uns['orca']`` without its timings (``uns``: as laid
+out; ``uns_content``: whatever the key order; ``record``: without the options, ``params``). Then the same
 for a task read from disk (``read_lazy``: the streamed reader), for ``tl.predict`` with the saved
 model, and for the vision submodule's digits run (its accuracies). Run it before and after a
 refactor and compare the two files::
@@ -61,6 +62,12 @@ def outputs(adata, key: str = "orca") -> dict[str, str]:
     # the same content whatever the order of keys (h5ad groups do not keep it)
     out["uns_content"] = hashlib.md5(
         json.dumps(uns, sort_keys=True, default=str).encode()
+    ).hexdigest()
+    # the record without the options it was run with (a refactor of the options alone moves
+    # only those)
+    record = {k: v for k, v in uns.items() if k != "params"}
+    out["record"] = hashlib.md5(
+        json.dumps(record, sort_keys=True, default=str).encode()
     ).hexdigest()
     return out
 
