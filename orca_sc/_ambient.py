@@ -30,19 +30,20 @@ class Ambient:
     found: dict | None = None
 
 
-_AMBIENT: ContextVar[Ambient] = ContextVar("orca_sc_ambient", default=Ambient())
+_NONE = Ambient()
+_AMBIENT: ContextVar[Ambient | None] = ContextVar("orca_sc_ambient", default=None)
 
 
 def current() -> Ambient:
     """The ambient state where the caller is."""
-    return _AMBIENT.get()
+    return _AMBIENT.get() or _NONE
 
 
 @contextmanager
 def ambient(**changes: Any) -> Iterator[Ambient]:
     """For the ``with`` block, the ambient state with ``changes``; the one before after it."""
-    token = _AMBIENT.set(replace(_AMBIENT.get(), **changes))
+    token = _AMBIENT.set(replace(current(), **changes))
     try:
-        yield _AMBIENT.get()
+        yield current()
     finally:
         _AMBIENT.reset(token)

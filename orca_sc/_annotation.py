@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from ._discover.evidence import evidence_note, novel_evidence  # noqa: F401
+from ._discover.evidence import novel_evidence
 
 #: sections of a prediction's record that an annotation never has, and the reverse
 _PREDICT_ONLY = frozenset({"n_genes_missing", "model_version"})

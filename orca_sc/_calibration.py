@@ -3,7 +3,7 @@ probability that the label is right.
 
 The final net has trained on every labelled cell, so its own softmax is near 1 on almost every
 cell and says nothing. The cross-fitted warm-ups of the novelty test (one without each fold of
-the labelled cells, :func:`orca_sc._pipeline.cross_fit`) give what is missing: each held-out
+the labelled cells, :func:`orca_sc._crossfit.cross_fit`) give what is missing: each held-out
 labelled cell's probability of its predicted type under a net that never saw it, and whether
 that prediction is right. An isotonic regression of right/wrong on that probability is the
 calibration map. A cell labelled known type ``t`` gets the mean over the fold nets of the

@@ -228,7 +228,7 @@ def evaluate(ctx, checkpoint, dataset, data_dir, cache_dir, device, report, quie
     """Score an ORCA checkpoint on the unlabelled training images and the test split."""
     with errors(ctx), cli_logging(quiet):
         _, report_path = _claim(None, report, [checkpoint])
-        from ._train import resolve_device
+        from ._cells import resolve_device
         from .vision import load_orca, open_world_split, score
 
         dev = resolve_device(device)

@@ -16,6 +16,7 @@ import torch
 
 from ._ablation import LAB, Ablation, DiscoveryRules
 from ._align import compute_transform
+from ._cells import CellMatrix, infer, resolve_device
 from ._config import OrcaConfig
 from ._data import PreparedData, prepare
 from ._discover import (
@@ -27,14 +28,7 @@ from ._discover.graph import pca_input_verdict
 from ._dist import Comm, init_from_env, rank_device
 from ._engine import stage
 from ._integrate import integrated_space
-from ._train import (
-    CellMatrix,
-    Schedule,
-    TrainRandom,
-    infer,
-    resolve_device,
-    schedule,
-)
+from ._train import Schedule, TrainRandom, schedule
 from .module import OrcaNet
 
 

@@ -11,18 +11,14 @@ import numpy as np
 import torch
 
 from ._calibration import FoldPredictions
+from ._cells import infer, knn_mean_distance
 from ._conformal import SCORE_NEIGHBORS, CrossConformal, fold_ids
 from ._context import (
     RunContext,
     seen_similarity,
 )
 from ._engine import stage
-from ._train import (
-    TrainRandom,
-    fit_warmup,
-    infer,
-    knn_mean_distance,
-)
+from ._train import TrainRandom, fit_warmup
 from .module import OrcaNet
 
 

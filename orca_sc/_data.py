@@ -20,9 +20,7 @@ import scipy.sparse as sp
 from ._config import OrcaConfig
 from ._errors import OrcaInputError
 from ._hvg import GeneStats, select_from_stats
-from ._labels import (  # noqa: F401
-    _ID_MIN_CLASSES,
-    MISSING_LABELS,
+from ._labels import (
     _check_label_values,
     _check_labels,
     _check_n_novel,

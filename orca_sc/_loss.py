@@ -21,9 +21,7 @@ from ._cells import (
 from ._config import OrcaConfig
 from ._dist import BatchShard, Comm, active_shard
 from ._engine import stage
-from .module import (
-    OrcaNet,
-    SparseRows,
+from .losses import (
     adaptive_margin,
     joint_cosine_features,
     margin_cross_entropy,
@@ -31,6 +29,7 @@ from .module import (
     orca_objective,
     split_cosine_similarity,
 )
+from .module import OrcaNet, SparseRows
 
 
 @torch.no_grad()

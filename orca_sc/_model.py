@@ -23,17 +23,18 @@ from ._align import (
 from ._annotation import (
     Annotation,
     annotate_record,
-    evidence_note,
     jsonable,
     novelty_test,
 )
 from ._calibration import apply_transfer, calibrate
 from ._card import model_card
+from ._cells import CellMatrix, infer, reproducible, resolve_device
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
+from ._discover.evidence import evidence_note
 from ._engine import stage
 from ._errors import OrcaInputError, check_anndata, check_input_file
-from ._heads import (  # noqa: F401
+from ._heads import (
     _novel_similarity,
     best_head,
     canonical_heads,
@@ -42,12 +43,11 @@ from ._heads import (  # noqa: F401
     novelty_quantiles,
     seen_cosine,
 )
-from ._model_file import _NOVEL_NAME, FORMAT, _check_model, _confidence_map, _to_builtin  # noqa: F401
+from ._model_file import FORMAT, _check_model, _confidence_map, _to_builtin
 from ._pipeline import Fit
 from ._pipeline import fit as fit_run
 from ._read import open_matrix, warn_empty
 from ._store import spill_csr
-from ._train import CellMatrix, infer, reproducible, resolve_device
 from ._vote import Vote, majority_vote
 from .module import OrcaNet
 

@@ -21,22 +21,18 @@ import numpy as np
 from ._ablation import LAB, Ablation, DiscoveryRules
 from ._align import class_centroids
 from ._calibration import FoldPredictions
+from ._cells import infer
 from ._config import OrcaConfig
-from ._context import (  # noqa: F401
-    PCA_INPUT_ALPHA,
+from ._context import (
     RunContext,
     Transform,
-    choose_pca_input,
     discovery_sample,
     run_context,
     sample_context,
     seen_similarity,
 )
-from ._crossfit import (  # noqa: F401
-    NOVELTY_REFERENCE_CELLS,
+from ._crossfit import (
     FoldNets,
-    _count_fold,
-    _side_warmup,
     cross_fit,
     fold_warmups,
 )
@@ -55,14 +51,7 @@ from ._discover import (
 )
 from ._discover.compute import neighbours_once, on_device
 from ._engine import stage
-from ._train import (
-    NovelHeads,
-    Schedule,
-    TrainRandom,
-    fit_open_world,
-    fit_warmup,
-    infer,
-)
+from ._train import NovelHeads, Schedule, TrainRandom, fit_open_world, fit_warmup
 from .module import OrcaNet
 
 logger = logging.getLogger(__name__)

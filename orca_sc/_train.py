@@ -18,34 +18,16 @@ import numpy as np
 import torch
 
 from ._ablation import LAB, Ablation
-from ._cells import (  # noqa: F401
-    _CUBLAS_WORKSPACE,
-    _INFER_CHUNK,
-    _LAYOUTS,
-    KNN_BLOCK_VALUES,
-    RESIDENT_MAX_FRACTION,
-    SPARSE_MAX_DENSITY,
-    UNCERTAINTY_BATCH_BYTES,
+from ._cells import (
     CellMatrix,
-    _affordable,
-    _csr_tensor,
     infer,
-    knn_mean_distance,
-    reproducible,
-    reproducibly,
-    resolve_device,
-    uncertainty_batches,
 )
 from ._config import OrcaConfig
 from ._dist import Comm
 from ._engine import StopState, fit_phase
-from ._loss import (  # noqa: F401
-    UNCERTAINTY_CELLS,
+from ._loss import (
     CellBatch,
     OrcaLoss,
-    _uncertainty_rows,
-    mean_uncertainty,
-    orca_loss_terms,
 )
 from .module import (
     OrcaNet,

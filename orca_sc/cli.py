@@ -16,20 +16,9 @@ import click
 
 from . import __version__
 from ._card import command_line
-from ._cli_benchmark import (  # noqa: F401
-    _benchmark_h5ad,
-    _benchmark_outdir,
-    _builtin_specs,
-    _csv_list,
-    _h5ad_split,
-    _h5ad_task,
-    _overrides,
-    _read_benchmark_h5ad,
-    _run_threads,
-    _write_benchmark,
+from ._cli_benchmark import (
     benchmark,
     compare,
-    orca_sc_version,
 )
 from ._cli_common import (
     CliError,
@@ -41,16 +30,14 @@ from ._cli_common import (
     read_h5ad,
     reported_by_rank0,
 )
-from ._cli_output import (  # noqa: F401
+from ._cli_output import (
     _add,
     _check_obs_key,
     _default_output,
     _echo_summary,
-    _metrics_table,
     _output_opts,
     _result_opts,
     _stage_results,
-    _truth_metrics,
 )
 from ._cli_vision import vision
 
@@ -71,8 +58,8 @@ def _parse_n_novel(value: str) -> int | str:
 
 
 def _check_device(device: str) -> None:
+    from ._cells import resolve_device
     from ._config import OrcaConfig
-    from ._train import resolve_device
 
     resolve_device(OrcaConfig(device=device).device)  # ConfigError: reported as --device
 

@@ -16,21 +16,6 @@ from torch import nn
 
 from ._config import HEAD_SCALE
 from ._dist import active_shard
-from .losses import (  # noqa: F401
-    ObjectiveTerms,
-    _nearest,
-    _onehot,
-    _random_class_partner,
-    adaptive_margin,
-    entropy_regularizer,
-    joint_cosine_features,
-    margin_cross_entropy,
-    masked_margin_cross_entropy,
-    orca_objective,
-    pairwise_loss,
-    select_pairs,
-    split_cosine_similarity,
-)
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ import torch.distributed as dist
 
 import orca_sc
 from orca_sc._ablation import Ablation
+from orca_sc._cells import CellMatrix
 from orca_sc._config import OrcaConfig
 from orca_sc._data import prepare
 from orca_sc._dist import BatchShard, Comm, init_from_env
 from orca_sc._model import train
-from orca_sc._train import CellMatrix, TrainRandom, fit_warmup, schedule
+from orca_sc._train import TrainRandom, fit_warmup, schedule
 
 #: the schedule of the epochs given, without the floor of steps of small data
 NO_FLOOR = Ablation(epoch_min_steps=0)
@@ -47,7 +48,7 @@ def _one_step(data, cfg, comm, layout="dense", n=300, sizes=None):
     from torch.nn.parallel import DistributedDataParallel
 
     from orca_sc._dist import sharded
-    from orca_sc._train import orca_loss_terms
+    from orca_sc._loss import orca_loss_terms
     from orca_sc.module import OrcaNet
 
     shape = (len(data.domain_names), data.X.shape[1])

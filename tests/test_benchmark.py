@@ -413,7 +413,7 @@ def test_few_labels_tiny_query_and_known_only(nested):
 
 
 def test_suite_table_reports_seed_spread_and_the_worst_task():
-    from orca_sc.benchmark._suite import suite_table, worst_tasks
+    from orca_sc.benchmark._suite_table import suite_table, worst_tasks
 
     rows = []
     for task, called, known, found in (("a", (1.0, 0.8), (0.0, 0.1), (2, 2)),
@@ -435,7 +435,7 @@ def test_suite_table_reports_seed_spread_and_the_worst_task():
 
 
 def test_shortfalls_give_the_supervised_reference_as_the_reason():
-    from orca_sc.benchmark._suite import REFERENCE, shortfalls, suite_table
+    from orca_sc.benchmark._suite_table import REFERENCE, shortfalls, suite_table
 
     rows = []
     for method, task, called, known in (("ORCA", "a", 0.5, 0.2), ("ORCA", "b", 0.95, 0.01),
@@ -453,7 +453,7 @@ def test_shortfalls_give_the_supervised_reference_as_the_reason():
 
 
 def test_below_peers_names_the_best_peer_that_uses_no_truth():
-    from orca_sc.benchmark._suite import below_peers, suite_table
+    from orca_sc.benchmark._suite_table import below_peers, suite_table
 
     rows = []
     for method, task, acc in (("ORCA", "a", 0.80), ("ORCA", "b", 0.90),

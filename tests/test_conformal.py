@@ -67,7 +67,7 @@ def test_knn_score_is_the_exact_mean_distance_to_the_nearest_reference_cells():
     import torch
     from sklearn.neighbors import NearestNeighbors
 
-    from orca_sc import _train
+    from orca_sc import _cells as _train
 
     rng = np.random.default_rng(0)
     ref, cells = (rng.standard_normal((n, 16)).astype(np.float32) for n in (300, 1000))

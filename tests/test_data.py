@@ -836,7 +836,7 @@ def test_auto_pca_input_takes_the_residuals_only_where_the_labelled_cells_say_th
     """
     import scanpy as sc
 
-    from orca_sc._pipeline import PCA_INPUT_ALPHA, run_context
+    from orca_sc._context import PCA_INPUT_ALPHA, run_context
 
     a = orca_sc.datasets.simulate(1500, 1000, 6, library_size=300, seed=4)
     a.obs["lab"] = np.where(np.arange(a.n_obs) % 2 == 0, a.obs["cell_type"].astype(str), None)

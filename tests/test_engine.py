@@ -198,7 +198,7 @@ def test_reproducible_turns_on_deterministic_kernels_on_a_gpu_only_and_restores_
     different embeddings without them) with cuBLAS's reproducible workspace; the caller's setting
     comes back afterwards, also after an error; on the CPU nothing is touched.
     """
-    from orca_sc._train import reproducible
+    from orca_sc._cells import reproducible
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert not torch.are_deterministic_algorithms_enabled()
@@ -230,7 +230,8 @@ def test_the_margins_batches_are_built_once_and_read_with_the_current_weights(de
     """
     import scipy.sparse as sp
 
-    from orca_sc._train import CellMatrix, mean_uncertainty, uncertainty_batches
+    from orca_sc._cells import CellMatrix, uncertainty_batches
+    from orca_sc._loss import mean_uncertainty
     from orca_sc.module import OrcaNet
 
     rng = np.random.default_rng(0)

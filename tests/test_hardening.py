@@ -15,8 +15,8 @@ from conftest import FAST, FAST_ARGS, LABELS_ONLY, assert_cli_error
 
 import orca_sc
 from orca_sc import OrcaInputError
-from orca_sc._data import _is_unlabeled
 from orca_sc._discover import name_heads
+from orca_sc._labels import _is_unlabeled
 from orca_sc._read import detect_scale, get_matrix
 from orca_sc.cli import main
 

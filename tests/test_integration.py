@@ -242,8 +242,8 @@ def test_the_pca_input_test_names_each_labelled_cell_by_its_nearest_labelled_cel
     from conftest import open_world
     from sklearn.neighbors import NearestNeighbors
 
+    from orca_sc._context import choose_pca_input, run_context
     from orca_sc._discover import pca_embedding
-    from orca_sc._pipeline import choose_pca_input, run_context
 
     a = orca_sc.datasets.simulate(600, 300, 5, markers_per_type=30, marker_fold=1.5, seed=3)
     a = open_world(a, ["type_0", "type_1", "type_2"])

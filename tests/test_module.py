@@ -5,10 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from orca_sc import HEAD_SCALE
-from orca_sc.module import (
-    NormedLinear,
-    OrcaNet,
-    dropout,
+from orca_sc.losses import (
     entropy_regularizer,
     joint_cosine_features,
     margin_cross_entropy,
@@ -17,6 +14,7 @@ from orca_sc.module import (
     select_pairs,
     split_cosine_similarity,
 )
+from orca_sc.module import NormedLinear, OrcaNet, dropout
 
 
 def test_margin_ce_equals_plain_ce_at_zero_margin():

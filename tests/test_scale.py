@@ -15,13 +15,14 @@ from conftest import FAST, FAST_LAB, FAST_OPTIONS, SHARED_DATA
 import orca_sc
 import orca_sc._read as read_mod
 import orca_sc._store as store_mod
+from orca_sc._cells import CellMatrix, infer
 from orca_sc._config import OrcaConfig
 from orca_sc._data import OrcaInputError, prepare
 from orca_sc._hvg import GeneStats, select_from_stats, select_genes
 from orca_sc._read import ChunkReader, log_normalize
-from orca_sc._train import CellMatrix, infer
 from orca_sc.cli import main
-from orca_sc.module import OrcaNet, margin_cross_entropy, masked_margin_cross_entropy
+from orca_sc.losses import margin_cross_entropy, masked_margin_cross_entropy
+from orca_sc.module import OrcaNet
 
 
 # --------------------------------------------------------------------------- gene selection
@@ -289,7 +290,7 @@ def test_sparse_product_with_empty_rows(empty_rows):
     product, value and weight gradient, also with cells that hold no stored value (first, last
     or all rows of the batch).
     """
-    from orca_sc._train import _csr_tensor
+    from orca_sc._cells import _csr_tensor
     from orca_sc.module import _SparseMatmul
 
     m = sp.random(8, 30, density=0.3, format="csr", dtype=np.float32, random_state=0)

@@ -18,8 +18,9 @@ from conftest import FAST, FAST_OPTIONS, LABELS_ONLY
 import orca_sc
 from orca_sc import OrcaConfig, OrcaModel
 from orca_sc._ablation import Ablation, DiscoveryRules
+from orca_sc._cells import CellMatrix
 from orca_sc._discover import Discovery, DiscoveryInput, discover, pca_embedding
-from orca_sc._train import CellMatrix, NovelHeads, TrainRandom, fit_open_world, fit_warmup, schedule
+from orca_sc._train import NovelHeads, TrainRandom, fit_open_world, fit_warmup, schedule
 
 
 def _blobs(n_per=60, n_types=5, dim=8, seed=0):

@@ -12,7 +12,8 @@ from conftest import LABELS_ONLY, open_world
 import orca_sc
 from orca_sc import OrcaConfig
 from orca_sc._ablation import Ablation
-from orca_sc._train import CellMatrix, StopRule, stop_rule, stop_state
+from orca_sc._cells import CellMatrix
+from orca_sc._train import StopRule, stop_rule, stop_state
 
 
 def _cells(n=40, g=5):

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from conftest import _Handler, assert_cli_error
 
 import orca_sc
-from orca_sc import module, vision
+from orca_sc import losses, module, vision
 from orca_sc._errors import ConfigError, OrcaInputError
 from orca_sc.cli import main
 from orca_sc.datasets import DownloadError, Manifest
@@ -52,8 +52,8 @@ def test_backbone_shapes_and_parameter_counts():
 def test_the_vision_trainer_uses_the_core_objective():
     from orca_sc.vision import _train
 
-    assert _train.orca_objective is module.orca_objective
-    assert _train.adaptive_margin is module.adaptive_margin
+    assert _train.orca_objective is losses.orca_objective
+    assert _train.adaptive_margin is losses.adaptive_margin
 
 
 def test_import_orca_sc_does_not_import_vision():

@@ -32,15 +32,13 @@ from ._splits import Task, batch_split, grow_task, protocol_split
 from ._suite import (
     SimSetting,
     dev_suite,
-    estimate_accuracy,
     grown_tasks,
     make_sim_task,
     scale_settings,
     select_tasks,
     sim_settings,
-    suite_markdown,
-    suite_table,
 )
+from ._suite_table import estimate_accuracy, suite_markdown, suite_table
 from ._tasks import TaskSpec, builtin_tasks, reversed_tasks
 
 __all__ = [

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ._suite import meets_goal
+from ._suite_table import meets_goal
 
 METRICS = ["seen_acc", "novel_acc", "all_acc", "novel_called", "known_called_novel", "novel_found"]
 

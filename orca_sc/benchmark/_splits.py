@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .._data import _labels_column, batch_column
+from .._data import batch_column
 from .._errors import OrcaInputError
+from .._labels import _labels_column
 
 TRUTH = "_truth"
 

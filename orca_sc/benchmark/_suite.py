@@ -28,22 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from ._splits import Task, batch_split, grow_task, protocol_split
-from ._suite_table import (  # noqa: F401
-    _GOAL_AT_MOST,
-    _SD,
-    GOALS,
-    PEERS,
-    REFERENCE,
-    _shares,
-    below_peers,
-    estimate_accuracy,
-    mean_sd,
-    meets_goal,
-    shortfalls,
-    suite_markdown,
-    suite_table,
-    worst_tasks,
-)
 from ._tasks import TaskSpec, builtin_tasks, reversed_tasks
 
 

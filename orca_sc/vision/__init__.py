@@ -1,7 +1,7 @@
 """ORCA on images: the paper's CIFAR-10/100 and ImageNet-100 benchmarks on CNN backbones.
 
 Optional (``pip install "orca_sc[vision]"``); ``import orca_sc`` never imports it. The objective
-and the normalised head are the single-cell core's (:func:`orca_sc.module.orca_objective`,
+and the normalised head are the single-cell core's (:func:`orca_sc.losses.orca_objective`,
 :class:`orca_sc.module.NormedLinear`).
 
 >>> from orca_sc import vision
@@ -12,25 +12,13 @@ and the normalised head are the single-cell core's (:func:`orca_sc.module.orca_o
 
 from ._augment import AugmentSpec, color_jitter, random_crop, random_flip, random_resized_crop
 from ._checkpoint import load_checkpoint, load_orca
+from ._config import METHOD_NAMES, PretrainConfig, VisionConfig, preset
 from ._data import ImageData, imagenet100_classes, load_images
+from ._eval import embed, evaluate_heads, predict, score
 from ._nets import SmallCNN, VisionOrcaNet, freeze_all_but_last_block, resnet18, resnet50
 from ._report import write_report
 from ._split import OpenWorldSplit, open_world_split
-from ._train import (
-    METHOD_NAMES,
-    PretrainConfig,
-    VisionConfig,
-    VisionRun,
-    embed,
-    evaluate_heads,
-    kmeans_baseline,
-    nt_xent,
-    predict,
-    preset,
-    pretrain_simclr,
-    score,
-    train_orca,
-)
+from ._train import VisionRun, kmeans_baseline, nt_xent, pretrain_simclr, train_orca
 
 __all__ = [
     "METHOD_NAMES",

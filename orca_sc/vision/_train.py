@@ -1,9 +1,9 @@
 """ORCA on images (paper Sec. 4, App. A) and SimCLR pretraining, sharing the single-cell core's
-objective (:func:`orca_sc.module.orca_objective`) and head (:class:`orca_sc.module.NormedLinear`).
+objective (:func:`orca_sc.losses.orca_objective`) and head (:class:`orca_sc.module.NormedLinear`).
 
 Per step: the labelled and unlabelled images of the mini-batch (in proportion) are augmented
 twice on the device; the first view's logits and features and the second view's logits go to
-:func:`~orca_sc.module.orca_objective` (margin from the unlabelled images' mean uncertainty,
+:func:`~orca_sc.losses.orca_objective` (margin from the unlabelled images' mean uncertainty,
 refreshed every epoch; positive pairs: same class for labelled images, cosine nearest neighbour
 in the batch for unlabelled ones). SGD with momentum, step decay of the learning rate. No host
 synchronisation inside an epoch: loss terms are summed on the device.
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 
 from .._engine import Callback, fit_phase
 from .._errors import OrcaInputError
-from .._train import reproducibly, resolve_device
-from ..module import adaptive_margin, orca_objective
-from ._config import _MARGINS, METHOD_NAMES, PretrainConfig, VisionConfig, _check, preset  # noqa: F401
+from .._cells import reproducibly, resolve_device
+from ..losses import adaptive_margin, orca_objective
+from ._config import PretrainConfig, VisionConfig, preset
 from ._data import ImageData, ImageSource
-from ._eval import embed, evaluate_heads, predict, score  # noqa: F401
+from ._eval import embed, evaluate_heads, predict, score
 from ._nets import Projector, VisionOrcaNet, freeze_all_but_last_block, make_backbone
 from ._split import OpenWorldSplit, open_world_split
 
