@@ -14,7 +14,7 @@ import orca_sc
 from orca_sc._ablation import Ablation, DiscoveryRules, split_options
 from orca_sc._config import resolve_config
 from orca_sc._discover import DiscoveryInput, discover
-from orca_sc._discover.rules import OTHER_STAGES, RULES, Candidates, Evidence, run_rules
+from orca_sc._discover.rules import OTHER_STAGES, RULES, Candidates, DiscoveryState, run_rules
 
 
 def _two_batches(seed=0):
@@ -38,7 +38,7 @@ def _two_batches(seed=0):
 
 
 def _evidence(cells, cfg=None):
-    return Evidence(
+    return DiscoveryState(
         cells.embedding, cells.seen_similarity, cells.labels, cells.domain, cells.pca_of,
         np.zeros(cells.labels.size, bool), None, cells.domain_names, None,
         cfg or DiscoveryRules(), "auto", 0,

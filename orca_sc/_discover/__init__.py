@@ -5,17 +5,11 @@ module per test, and every parameter is a field of :class:`orca_sc._ablation.Dis
 frozen :class:`Discovery` out: no AnnData, and torch only where a GPU run computes its PCAs and
 neighbours on the device (:mod:`.compute`).
 
-After the supervised warm-up, :func:`discover` takes each cell's embedding and cosine to the seen
-heads and finds the candidates:
-
-* :mod:`.ood`: unlabelled cells whose best cosine to a seen head is below the ``ood_quantile``
-  of the labelled cells' (:func:`ood_clusters`), clustered with Leiden at the resolution that
-  matches the granularity of the labelled types (:mod:`.graph`); in batches without labelled
-  cells (a separate query), clusters of the whole batch voted by their share of such cells
-  (:func:`query_ood_clusters`);
-* :mod:`.labels`: in batches labelled at random, cells with improbably few labelled neighbours
-  join the candidates (:func:`label_deserts`) and cells among labelled ones leave them
-  (:func:`labelled_support`).
+After the supervised warm-up, :func:`discover` runs the rules of :data:`RULES`
+(:mod:`.rules`), in order, on each cell's embedding and cosine to the seen heads: label support
+and deserts (:mod:`.labels`), the resolution (:mod:`.graph`), the out-of-distribution threshold
+and the candidate clusters (:mod:`.ood`), the query vote in batches without labelled cells
+(:mod:`.query`), the number of novel types and the anchors (:mod:`.heads`).
 
 The candidates start the novel heads (:mod:`.heads`), whose anchors keep only coherent clusters;
 their number is the estimate of ``n_novel``. After training, :mod:`.naming` reports novel clusters
@@ -69,7 +63,7 @@ from .query import (
     query_pvalues,
     spread_notes,
 )
-from .rules import OTHER_STAGES, RULES, Evidence, run_rules
+from .rules import OTHER_STAGES, RULES, DiscoveryState, run_rules
 from .scale import size_check
 from .self_check import SelfCheckSplit, self_check_report, self_check_split, youden_threshold
 
@@ -114,7 +108,7 @@ def discover(
     """
     lab = cells.labels >= 0
     calibration = np.zeros_like(lab) if cells.calibration is None else cells.calibration & lab
-    e = Evidence(
+    e = DiscoveryState(
         cells.embedding, cells.seen_similarity, cells.labels, cells.domain,
         _once_per_cell_set(cells.pca_of), calibration, cells.held_out_similarity,
         cells.domain_names, cells.class_names, cfg, n_novel, seed,

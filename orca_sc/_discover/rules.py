@@ -1,10 +1,10 @@
 """Discovery as an ordered list of rules (:data:`RULES`): what each reads, what it decides, and
 the entry it leaves in the run's record (``uns['orca']['estimate']``).
 
-The rules share one :class:`Evidence`: what the warm-up gave (each cell's embedding, its cosine
-to the seen heads, the labels, batches and the PCA) and what the rules before decided. Each rule
-is a small object with one job: ``run`` decides (a mask, a threshold, a set of candidates) and
-writes it into the evidence, ``record`` returns its entries of the record, ``describe`` its
+The rules share one :class:`DiscoveryState`: what the warm-up gave (each cell's embedding, its
+cosine to the seen heads, the labels, batches and the PCA) and what the rules before decided.
+Each rule is a small object with one job: ``run`` decides (a mask, a threshold, a set of
+candidates) and writes it into the state, ``record`` returns its entries of the record, ``describe`` its
 clause of ``estimate['method']`` (``""``: none). :func:`orca_sc._discover.discover` runs the
 list in order; the record and the method's prose are built from the same list.
 
@@ -40,7 +40,7 @@ from .query import (
 
 
 @dataclass
-class Evidence:
+class DiscoveryState:
     """What the rules read and decide, over the cells discovery runs on.
 
     Read (set once): ``embedding``, ``seen_similarity``, ``labels``, ``domain``, ``pca_cells``
@@ -115,13 +115,13 @@ class Rule:
 
     name = ""
 
-    def run(self, e: Evidence) -> None:
+    def run(self, e: DiscoveryState) -> None:
         raise NotImplementedError
 
-    def record(self, e: Evidence) -> dict[str, Any]:
+    def record(self, e: DiscoveryState) -> dict[str, Any]:
         return {}
 
-    def describe(self, e: Evidence) -> str:
+    def describe(self, e: DiscoveryState) -> str:
         return ""
 
 
@@ -136,10 +136,10 @@ class LabelSupport(Rule):
 
     name = "label support and deserts"
 
-    def run(self, e: Evidence) -> None:
+    def run(self, e: DiscoveryState) -> None:
         e.label = _label_evidence(e.lab, e.domain, e.pca_cells, e.cfg, e.domain_names)
 
-    def record(self, e: Evidence) -> dict[str, Any]:
+    def record(self, e: DiscoveryState) -> dict[str, Any]:
         ev = e.label
         return {
             "n_supported_by_labels": int(ev.supported.sum()),
@@ -158,13 +158,13 @@ class Resolution(Rule):
 
     name = "resolution"
 
-    def run(self, e: Evidence) -> None:
+    def run(self, e: DiscoveryState) -> None:
         calibrate = bool((~e.lab & ~e.query).any())
         e.resolution, e.resolution_scores = resolve_resolution(
             e.labels, e.pca_cells, seed=e.seed, calibrate=calibrate, cfg=e.cfg
         )
 
-    def record(self, e: Evidence) -> dict[str, Any]:
+    def record(self, e: DiscoveryState) -> dict[str, Any]:
         grid = map(str, e.cfg.resolution_grid)
         return {
             "resolution": e.resolution,
@@ -182,7 +182,7 @@ class Threshold(Rule):
 
     name = "threshold"
 
-    def run(self, e: Evidence) -> None:
+    def run(self, e: DiscoveryState) -> None:
         calib = e.calibration & e.lab
         cap = None if e.per_type else e.held_out
         e.threshold, e.threshold_record = ood_threshold(e.maxcos, e.lab & ~calib, calib, e.cfg, cap)
@@ -196,7 +196,7 @@ class Threshold(Rule):
             e.shift, e.domain_names, e.class_names, cells_for_quantile(e.cfg.novelty_alpha)
         )
 
-    def record(self, e: Evidence) -> dict[str, Any]:
+    def record(self, e: DiscoveryState) -> dict[str, Any]:
         out = dict(e.threshold_record)
         if e.per_type:
             names = e.domain_names
@@ -217,7 +217,7 @@ class QueryPValues(Rule):
 
     name = "query p-values"
 
-    def run(self, e: Evidence) -> None:
+    def run(self, e: DiscoveryState) -> None:
         if e.per_type and e.query.any():
             e.pvalues = query_pvalues(
                 e.maxcos, e.predicted, e.labels, e.held_out, e.domain, np.flatnonzero(e.query),
@@ -233,14 +233,14 @@ class Candidates(Rule):
 
     name = "candidate clusters"
 
-    def run(self, e: Evidence) -> None:
+    def run(self, e: DiscoveryState) -> None:
         e.assign, e.sizes, e.threshold = ood_clusters(
             e.maxcos, e.lab, e.pca_cells, threshold=e.threshold, quantile=e.cfg.ood_quantile,
             resolution=e.resolution, seed=e.seed, exclude=e.label.supported | e.query,
             include=e.label.desert, n_neighbors=e.cfg.n_neighbors, cell_threshold=e.cell_threshold,
         )  # fmt: skip
 
-    def describe(self, e: Evidence) -> str:
+    def describe(self, e: DiscoveryState) -> str:
         return (
             f"Leiden clusters (resolution {e.resolution:g}) of cells below the "
             f"{e.cfg.ood_quantile:.0%} quantile of labelled max cosine or with improbably few "
@@ -260,7 +260,7 @@ class QueryVote(Rule):
 
     name = "query vote"
 
-    def run(self, e: Evidence) -> None:
+    def run(self, e: DiscoveryState) -> None:
         if not e.query.any():
             return
         cfg, claimed = e.cfg, e.predicted if e.contrast else None
@@ -278,7 +278,7 @@ class QueryVote(Rule):
         names = e.domain_names or [str(d) for d in range(int(e.domain.max()) + 1)]
         e.notes += spread_notes(e.votes, names, e.class_names)
 
-    def record(self, e: Evidence) -> dict[str, Any]:
+    def record(self, e: DiscoveryState) -> dict[str, Any]:
         if not e.query.any():
             return {}
         names = e.domain_names or [str(d) for d in range(int(e.domain.max()) + 1)]
@@ -304,7 +304,7 @@ class QueryVote(Rule):
             }
         return out
 
-    def describe(self, e: Evidence) -> str:
+    def describe(self, e: DiscoveryState) -> str:
         if not e.query.any():
             return ""
         cfg = e.cfg
@@ -335,7 +335,7 @@ class NumberOfTypes(Rule):
 
     name = "number of novel types"
 
-    def run(self, e: Evidence) -> None:
+    def run(self, e: DiscoveryState) -> None:
         e.assign, e.sizes = _rank_by_size(e.assign, e.sizes, e.groups)
 
 
@@ -350,7 +350,7 @@ class Anchors(Rule):
 
     name = "anchors"
 
-    def run(self, e: Evidence) -> None:
+    def run(self, e: DiscoveryState) -> None:
         sizes = e.sizes
         k = len(sizes) if e.n_novel == "auto" else int(e.n_novel)
         significant = None
@@ -368,7 +368,7 @@ class Anchors(Rule):
             heads = np.concatenate([heads, e.predicted[held]])
         e.anchor_cells, e.anchor_heads = cells, heads
 
-    def record(self, e: Evidence) -> dict[str, Any]:
+    def record(self, e: DiscoveryState) -> dict[str, Any]:
         out: dict[str, Any] = {"n_anchored": int(e.heads.core.sum())}
         if e.pvalues is not None:
             out["n_anchored_significant"] = e.heads.n_significant
@@ -429,7 +429,7 @@ OTHER_STAGES: tuple[OtherStage, ...] = (
 )
 
 
-def run_rules(e: Evidence, rules: tuple[Rule, ...] = RULES) -> dict[str, Any]:
+def run_rules(e: DiscoveryState, rules: tuple[Rule, ...] = RULES) -> dict[str, Any]:
     """Run ``rules`` in order on ``e``; returns their record entries (in order) with the
     method's prose (``method``) and the rules' names (``rules``).
     """
