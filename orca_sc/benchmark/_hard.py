@@ -23,7 +23,7 @@ import scipy.sparse as sp
 
 from .._errors import OrcaInputError
 from ._splits import Task, _labels, batch_split
-from ._tasks import TaskSpec, _baron, _pbmc_tech, _read, read_pbmc68k, read_tm
+from ._tasks import TaskSpec, _baron, _pbmc_tech, _read, read_pbmc68k, read_pbmc_sorted, read_tm
 
 #: the novel types of a sibling split: about this share of the types (at least one)
 SIBLING_SHARE = 0.25
@@ -185,6 +185,10 @@ def hard_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
         if have(file):
             sib[key] = partial(_sibling, partial(_read, d / file), f"sibling_{key}")
     sib["pbmc68k"] = partial(_sibling, read_pbmc68k, "sibling_pbmc68k")
+    if have("pbmc_sorted_vs_3k.h5ad"):  # five close T-cell subsets among nine populations
+        sib["pbmc_sorted"] = partial(
+            _sibling, partial(read_pbmc_sorted, d / "pbmc_sorted_vs_3k.h5ad"), "sibling_pbmc_sorted"
+        )
     for key, build in sib.items():
         add(f"sibling_{key}", "sibling", build,
             f"{key}: novel types = those nearest to a known type, separate query")  # fmt: skip

@@ -1,0 +1,68 @@
+"""The development suite's real tasks by dataset family, and the tasks of the bead-sorted PBMC
+populations against pbmc3k (another donor and experiment, close T-cell subsets).
+"""
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import SHARED_DATA
+
+from orca_sc.benchmark import dev_suite
+from orca_sc.benchmark._suite_table import family_goals, suite_markdown, suite_table
+from orca_sc.benchmark._tasks import dataset_family
+
+SORTED = SHARED_DATA / "pbmc_sorted_vs_3k.h5ad"
+
+
+def test_every_suite_task_has_its_dataset_family():
+    names = [s.name for s in dev_suite(SHARED_DATA if SHARED_DATA.is_dir() else None, large=False)]
+    families = {n: dataset_family(n) for n in names}
+    assert "other" not in families.values()
+    assert families["sim_base"] == "simulated" and families["sibling_pbmc68k"] == "pbmc68k"
+    assert dataset_family("tiny_pbmc") == "PBMC Drop-seq / inDrops"
+    assert dataset_family("few5_mca") == "MCA bladder"
+    assert dataset_family("pbmc_3k_to_sorted") == dataset_family("sibling_pbmc_sorted")
+    assert dataset_family("my_own_h5ad") == "other"
+
+
+def test_family_goals_count_each_family_apart():
+    runs = pd.DataFrame(
+        {
+            "task": ["sim_a", "sim_a", "baron_x", "baron_x", "tm_y", "tm_y"],
+            "method": ["ORCA"] * 6,
+            "seed": [0, 1] * 3,
+            "n_query": [100] * 6,
+            "novel_true": [1, 1, 2, 2, 0, 0],
+            "novel_found": [1, 1, 2, 1, 0, 1],
+            "novel_called": [0.95, 0.93, 0.5, 0.7, np.nan, np.nan],
+            "known_called_novel": [0.01, 0.02, 0.01, 0.03, 0.2, 0.1],
+            "seen_acc": [0.9] * 6,
+            "novel_acc": [0.9] * 6,
+            "all_acc": [0.9, 0.8, 0.7, 0.7, 0.6, 0.6],
+            "seconds": [1.0] * 6,
+            "error": [""] * 6,
+        }
+    )
+    fam = family_goals(suite_table(runs)).set_index("dataset")
+    assert fam.loc["simulated", "novel_called"] == "1/1"
+    assert fam.loc["Baron pancreas", "novel_called"] == "0/1"
+    assert fam.loc["Baron pancreas", "found_exact"] == "0/1"  # right in 1 of 2 runs
+    assert fam.loc["Tabula Muris", "novel_called"] == "0/0"  # no novel type to find
+    assert fam.loc["Tabula Muris", "known_called_novel"] == "0/1"
+    assert fam.loc["simulated", "all_acc"] == pytest.approx(0.85)
+    assert "## Per dataset family (ORCA)" in suite_markdown(runs)
+
+
+@pytest.mark.skipif(not SORTED.is_file(), reason="shared data absent")
+def test_sorted_pbmc_tasks_hide_what_the_other_side_lacks():
+    specs = {s.name: s for s in dev_suite(SHARED_DATA, large=False, only=["pbmc_sorted", "3k"])}
+    assert set(specs) == {"pbmc_sorted_to_3k", "pbmc_3k_to_sorted", "sibling_pbmc_sorted"}
+    forward = specs["pbmc_sorted_to_3k"].make(0)
+    assert forward.novel == ["DC", "FCGR3A+ Mono", "Platelet"]  # FCGR3A+ beside CD14+ Mono
+    assert "CD14+ Mono" in forward.seen and forward.query.n_obs == 2638
+    back = specs["pbmc_3k_to_sorted"].make(0)
+    assert back.novel == ["CD4+ helper T (sorted; naive+memory mix)", "Treg"]
+    sib = specs["sibling_pbmc_sorted"].make(0)
+    # the sibling split of the sorted populations hides T-cell subsets beside a known one
+    assert sib.novel and all(" T " in t or t.endswith("T cell") for t in sib.novel)
+    assert not set(sib.novel) & set(sib.seen)
