@@ -81,9 +81,15 @@ def test_lr_baseline_rejects_the_oracle_fraction(sim):
 
 def test_supervised_reference_predicts_each_cell_from_a_fold_that_did_not_see_it(sim):
     t = B.batch_split(sim, "cell_type", "batch", ["batch_0"], novel_classes=["type_4", "type_5"])
+    from orca_sc.benchmark._methods import CEILING_CLASSIFIERS, ceiling_predictions
+
     ref = B.METHODS["Supervised reference (query labels, CV)"]
-    pred = ref.run(t, 0)
+    pred, info = ref.run(t, 0)
     truth = t.truth
+    # the ceiling is the best of its classifiers on the task
+    each = ceiling_predictions(t, 0)
+    right = {n: float(np.mean(each[n] == truth)) for n in CEILING_CLASSIFIERS}
+    assert right[info["reference"]] == max(right.values())
     novel = np.isin(truth, t.novel)
     # novel types are named after the truth it was trained on, known ones as the reference's
     assert set(pred[novel]) <= {f"novel:{c}" for c in t.novel}
@@ -93,13 +99,13 @@ def test_supervised_reference_predicts_each_cell_from_a_fold_that_did_not_see_it
     obs = t.query.obs
     obs[TRUTH] = obs[TRUTH].astype(str)
     obs.iloc[0, obs.columns.get_loc(TRUTH)] = "only_here"
-    assert "novel:only_here" not in set(ref.run(t, 0))
+    assert "novel:only_here" not in set(ref.run(t, 0)[0])
     # in a grown task the draws of one cell share a fold: none of them trains the others' net
     g = B.grow_task(t, 3 * (t.reference.n_obs + t.query.n_obs), seed=0)
     obs = g.query.obs
     first = [f"{t.query.obs_names[0]}-{k}" for k in range(3)]
     obs.loc[first, TRUTH] = "only_here"
-    assert "novel:only_here" not in set(ref.run(g, 0))
+    assert "novel:only_here" not in set(ref.run(g, 0)[0])
 
 
 def test_knn_transfer_and_clustering_baselines(sim):
