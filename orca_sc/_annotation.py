@@ -202,12 +202,9 @@ def annotate_record(fit: Any, model: Any, head: np.ndarray, naming: Naming, labe
     evidence = novel_evidence(model.novel_names, sizes, similarity, n_labelled,
                               test.record if test is not None else None,
                               cfg.discovery.n_neighbors)  # fmt: skip
+    lab = fit.lab.changes()  # the method's settings where a study changed them
     return RunRecord(
-        params={
-            "labels_key": labels_key,
-            **cfg.to_dict(),
-            **({"ablation": fit.lab.changes()} if fit.lab.changes() else {}),
-        },  # fmt: skip
+        params={"labels_key": labels_key, **cfg.to_dict(), **({"ablation": lab} if lab else {})},
         mode=mode,
         seen_classes=list(data.classes),
         novel_cluster_sizes=sizes,

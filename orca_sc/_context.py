@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -103,7 +104,7 @@ class RunContext:
     #: what the PCA reads and why, decided once (a context on a sample shares its run's)
     _pca_input: list = field(default_factory=list, repr=False, compare=False)
 
-    @property
+    @cached_property
     def rules(self) -> DiscoveryRules:
         """What discovery's rules read: the user's options and the rules' constants."""
         return DiscoveryRules.of(self.config.discovery, self.lab)
