@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 from ._config import (
     DiscoveryConfig,
-    _check_keys,
     _invalid,
     _is_finite,
     _is_int,
@@ -240,10 +239,14 @@ class Ablation:
 
     @classmethod
     def of(cls, **settings: Any) -> Ablation:
-        """An ablation from flat ``settings``: its own fields, and rule constants by name."""
-        rules = {k: settings.pop(k) for k in list(settings) if k in RULE_FIELDS}
-        _check_keys(cls, settings)
-        return cls(**settings, rules=rules)
+        """An ablation from flat ``settings``: its own fields, and rule constants by name
+        (ORCA's settings :meth:`replace`-d; an unknown name raises).
+        """
+        unknown = sorted(set(settings) - ABLATION_FIELDS)
+        if unknown:
+            msg = f"Unknown settings {unknown}; known: {sorted(ABLATION_FIELDS)}."
+            raise ValueError(msg)
+        return LAB.replace(**settings)
 
     def replace(self, **settings: Any) -> Ablation:
         """A copy with some settings changed (rule constants by name too)."""

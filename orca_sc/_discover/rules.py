@@ -106,8 +106,10 @@ class DiscoveryState:
         """The query vote is the contrast vote (the query cells have p-values)."""
         return self.pvalues is not None
 
-    def batch_name(self, d: int) -> str:
-        return self.domain_names[d] if self.domain_names else str(d)
+    @property
+    def batch_names(self) -> list[str]:
+        """Every batch's name (its code where the names are not given)."""
+        return self.domain_names or [str(d) for d in range(int(self.domain.max()) + 1)]
 
 
 class Rule:
@@ -144,8 +146,8 @@ class LabelSupport(Rule):
         return {
             "n_supported_by_labels": int(ev.supported.sum()),
             "n_label_deserts": int(ev.desert.sum()),
-            "label_neighbours": {e.batch_name(d): k for d, k in ev.neighbours.items()},
-            "segregated_batches": [e.batch_name(d) for d in ev.segregated],
+            "label_neighbours": {e.batch_names[d]: k for d, k in ev.neighbours.items()},
+            "segregated_batches": [e.batch_names[d] for d in ev.segregated],
         }
 
 
@@ -275,13 +277,12 @@ class QueryVote(Rule):
             ))  # fmt: skip
         e.groups = _query_candidates(ood, e.query, e.domain, e.pca_cells, cfg, e.seed,
                                      e.pvalues, e.votes, claimed, e.bar)  # fmt: skip
-        names = e.domain_names or [str(d) for d in range(int(e.domain.max()) + 1)]
-        e.notes += spread_notes(e.votes, names, e.class_names)
+        e.notes += spread_notes(e.votes, e.batch_names, e.class_names)
 
     def record(self, e: DiscoveryState) -> dict[str, Any]:
         if not e.query.any():
             return {}
-        names = e.domain_names or [str(d) for d in range(int(e.domain.max()) + 1)]
+        names = e.batch_names
 
         def column(key: str) -> list:
             return [np.nan if v[key] is None else v[key] for v in e.votes]

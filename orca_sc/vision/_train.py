@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._cells import reproducibly, resolve_device
 from .._engine import Callback, fit_phase
 from .._errors import OrcaInputError
-from .._cells import reproducibly, resolve_device
 from ..losses import adaptive_margin, orca_objective
 from ._config import PretrainConfig, VisionConfig, preset
 from ._data import ImageData, ImageSource
