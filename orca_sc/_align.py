@@ -83,7 +83,7 @@ def _per_batch(out: torch.Tensor, d: np.ndarray, by_batch: np.ndarray, op) -> No
     if cut.size >= _MAX_RUNS:
         op(out, values.index_select(0, torch.from_numpy(d)))
         return
-    for lo, hi in zip(np.r_[0, cut], np.r_[cut, d.size]):  # runs, not cells
+    for lo, hi in zip(np.r_[0, cut], np.r_[cut, d.size], strict=True):  # runs, not cells
         op(out[lo:hi], values[d[lo]])
 
 

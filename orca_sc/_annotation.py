@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from ._discover.evidence import novel_evidence
+from ._discover.evidence import evidence_note, novel_evidence
+from ._notes import Note, note_fields, stored_notes
 
 #: sections of a prediction's record that an annotation never has, and the reverse
 _PREDICT_ONLY = frozenset({"n_genes_missing", "model_version"})
@@ -84,15 +85,19 @@ class RunRecord:
         return cls(**{**empty, **given})
 
     @property
-    def notes(self) -> list[str]:
-        """Where the data cannot support a call: discovery's notes, then the novelty test's and
-        the self-check's.
+    def notes(self) -> list[Note]:
+        """Where the data cannot support a call: discovery's notes, naming's (heads pruned,
+        clusters kept known), the novelty test's, the self-check's, then the novel clusters
+        the data are too thin to call. Each is its paragraph with its one line
+        (:class:`orca_sc._notes.Note`).
         """
-        return [
-            str(n)
-            for section in (self.estimate, self.novelty_test, self.self_check)
-            for n in (section or {}).get("notes", [])
+        notes = [
+            n
+            for section in (self.estimate, self.n_novel, self.novelty_test, self.self_check)
+            for n in stored_notes(section)
         ]
+        thin = evidence_note(self.novel_evidence) if self.novel_evidence else None
+        return notes if thin is None else [*notes, thin]
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,7 @@ class Naming:
     order: list[int]
     same: dict[str, list]  # novel heads of several batches that are one type (column-wise)
     pruned: list[int] = field(default_factory=list)  # cells of each head too small for a cluster
+    notes: list = field(default_factory=list)  # heads pruned, clusters kept known though apart
 
 
 @dataclass(frozen=True)
@@ -178,7 +184,7 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
         "share_q_below_alpha": float(np.mean(qvalues[unl] <= alpha)) if unl.any() else 0.0,
         "clusters": table,
         "premise": premise,
-        "notes": notes,
+        **note_fields(notes),
     }
     return NoveltyTest(pvalues, qvalues, record, notes)
 
@@ -218,6 +224,7 @@ def annotate_record(fit: Any, model: Any, head: np.ndarray, naming: Naming, labe
             "found": len(naming.order),
             # the unlabelled cells of each head that won fewer than min_novel_cells (no cluster)
             "pruned": list(naming.pruned),
+            **note_fields(naming.notes),
         },
         estimate=model.estimate,
         self_check=fit.self_check,

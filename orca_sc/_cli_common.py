@@ -151,6 +151,24 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(msg).split())  # always one line
 
 
+class _BelowWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
+@contextmanager
+def held_notes():
+    """The run's notes kept out of the log (the caller prints them with the result): the
+    warnings of ``orca_sc._model``, which logs every note of a run in one place.
+    """
+    notes_logger, hold = logging.getLogger("orca_sc._model"), _BelowWarning()
+    notes_logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        notes_logger.removeFilter(hold)
+
+
 @contextmanager
 def cli_logging(quiet: bool, silent: bool = False):
     """Log and warn on stderr as single lines; ``quiet`` keeps only warnings and errors,

@@ -15,27 +15,32 @@ from ._cli_common import (
 )
 
 
-def _echo_summary(summary: dict, metrics: dict | None) -> None:
-    n = summary["n_cells"]
-    click.echo(f"Annotated {n} cells; mean confidence {summary['mean_confidence']:.3f}.")
+def _echo_summary(summary: dict, metrics: dict | None, notes: bool = False) -> None:
+    """What the run found first (the novel clusters, the cells per label, the self-check and
+    metrics), the evidence below it: each novel cluster's verdicts in one line and, with
+    ``notes`` (a run whose log held them back), the notes' lines.
+    """
+    n, novel = summary["n_cells"], summary["novel"]
+    in_novel = sum(rec["size"] for rec in novel)
+    n_known = len(summary["label_counts"]) - len(novel)
+    click.echo(
+        f"Annotated {n:,} cells: {len(novel)} novel cluster(s) ({in_novel:,} cells, "
+        f"{in_novel / max(n, 1):.0%}) and {n_known} known type(s); mean confidence "
+        f"{summary['mean_confidence']:.3f}."
+    )
+    if novel:
+        click.echo("Novel clusters (closest known types; top markers):")
+        width = max(len(rec["name"]) for rec in novel)
+        for rec in novel:
+            close = ", ".join(f"{c['type']} {c['similarity']:.2f}" for c in rec["closest"])
+            markers = f"; {', '.join(rec['markers'])}" if rec["markers"] else ""
+            click.echo(f"  {rec['name']:<{width}}  {rec['size']:>7,} cells  {close}{markers}")
+    else:
+        click.echo("No novel clusters: every cell was assigned to a known type.")
     click.echo("Cells per predicted label:")
     width = max(len(k) for k in summary["label_counts"])
     for label, c in summary["label_counts"].items():
         click.echo(f"  {label:<{width}}  {c:>7}  ({c / n:6.1%})")
-    if summary["novel"]:
-        click.echo("Novel clusters:")
-        for rec in summary["novel"]:
-            close = ", ".join(f"{c['type']} {c['similarity']:.2f}" for c in rec["closest"])
-            click.echo(
-                f"  {rec['name']} ({rec['size']} cells) — closest: {close}; "
-                f"novelty test: {rec.get('supported', 'not tested')}"
-            )
-            if rec["markers"]:
-                click.echo(f"      top markers: {', '.join(rec['markers'])}")
-            if rec.get("evidence") == "cannot tell":
-                click.echo(f"      the data cannot support this call: {rec['reason']}")
-    else:
-        click.echo("No novel clusters: every cell was assigned to a known type.")
     check = summary.get("self_check")
     if check is not None:
         click.echo(
@@ -47,6 +52,25 @@ def _echo_summary(summary: dict, metrics: dict | None) -> None:
         )
     if metrics is not None:
         click.echo(_metrics_table(metrics))
+    evidence = [_evidence_line(rec) for rec in novel]
+    evidence = [e for e in evidence if e]
+    lines = summary.get("notes", []) if notes else []
+    if evidence or lines:
+        click.echo("Evidence (details in uns['orca']):")
+        for line in [*evidence, *lines]:
+            click.echo(f"  {line}")
+
+
+def _evidence_line(rec: dict) -> str:
+    """One novel cluster's verdicts in a line: the novelty test's, and the reason when the
+    data cannot support the call (empty when both are unremarkable).
+    """
+    test = rec.get("supported", "not tested")
+    if rec.get("evidence") == "cannot tell":
+        return f"{rec['name']}: cannot tell: {rec['reason']} (novelty test: {test})"
+    if test == "not significant":
+        return f"{rec['name']}: novelty test not significant (no evidence either way)"
+    return ""
 
 
 def _metrics_table(m: dict) -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._notes import Note
+
 #: neighbours of the nonconformity score
 SCORE_NEIGHBORS = 10
 #: a p-value <= alpha puts a cell above all but ``alpha * n`` calibration scores; with fewer
@@ -130,19 +132,27 @@ def cluster_support(
     notes = []
     if names and not can_tell:
         notes.append(
-            f"Only {n_calibration} labelled cells calibrate the novelty test: at alpha = "
-            f"{alpha:g} its tail rests on fewer than {MIN_TAIL_CELLS} of them, so the data "
-            "cannot say whether the novel clusters are unlike the reference "
-            "(uns['orca']['novelty_test'], supported: 'cannot tell')."
+            Note(
+                f"Only {n_calibration} labelled cells calibrate the novelty test: it cannot tell "
+                "(uns['orca']['novelty_test']).",
+                f"Only {n_calibration} labelled cells calibrate the novelty test: at alpha = "
+                f"{alpha:g} its tail rests on fewer than {MIN_TAIL_CELLS} of them, so the data "
+                "cannot say whether the novel clusters are unlike the reference "
+                "(uns['orca']['novelty_test'], supported: 'cannot tell').",
+            )
         )
     unsupported = [c for c, v in zip(names, verdict, strict=True) if v == "not significant"]
     if unsupported:
         notes.append(
-            f"Novel clusters {', '.join(unsupported)}: the novelty test does not find their "
-            f"cells more unlike the reference than known-type cells (alpha = {alpha:g}). That is "
-            "no evidence that they are known types (the test has little power for types close "
-            "to a known one), but check them: known types shifted by batch or few labels look "
-            "like this too (uns['orca']['novelty_test'])."
+            Note(
+                f"Novelty test not significant for {', '.join(unsupported)}: no evidence either "
+                "way (uns['orca']['novelty_test']).",
+                f"Novel clusters {', '.join(unsupported)}: the novelty test does not find their "
+                f"cells more unlike the reference than known-type cells (alpha = {alpha:g}). That is "
+                "no evidence that they are known types (the test has little power for types close "
+                "to a known one), but check them: known types shifted by batch or few labels look "
+                "like this too (uns['orca']['novelty_test']).",
+            )
         )
     return table, notes
 
@@ -201,12 +211,16 @@ def premise_check(
             for i in failed
         )
         notes.append(
-            f"The novelty test's premise fails in batch(es) {where}: that share of the cells "
-            f"labelled a known type have p <= {alpha:g}, more than cells that look like the "
-            f"reference's labelled cells ever do (at most {bound:.0%}; binomial test). There the "
-            "query's known types are shifted from the reference's (batch, technology, condition) "
-            "or known labels hold cells of a type the reference lacks, so the test's error rate "
-            "does not hold: read its p-values and verdicts as a ranking "
-            "(uns['orca']['novelty_test']['premise'])."
+            Note(
+                f"The novelty test's premise fails in batch(es) {where}: read its p-values as a "
+                "ranking (uns['orca']['novelty_test']['premise']).",
+                f"The novelty test's premise fails in batch(es) {where}: that share of the cells "
+                f"labelled a known type have p <= {alpha:g}, more than cells that look like the "
+                f"reference's labelled cells ever do (at most {bound:.0%}; binomial test). There the "
+                "query's known types are shifted from the reference's (batch, technology, condition) "
+                "or known labels hold cells of a type the reference lacks, so the test's error rate "
+                "does not hold: read its p-values and verdicts as a ranking "
+                "(uns['orca']['novelty_test']['premise']).",
+            )
         )
     return table, notes, failing

@@ -5,8 +5,6 @@ a cluster pruned, and the novelty score's reference quantiles.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from ._align import (
@@ -18,10 +16,9 @@ from ._annotation import (
 )
 from ._discover import match_known_types, match_novel_across_batches, name_heads
 from ._discover.naming import cluster_reliabilities, naming_means, too_few_cells
+from ._notes import Note
 from ._pipeline import Fit
 from .module import OrcaNet
-
-logger = logging.getLogger("orca_sc._model")
 
 
 def best_head(probs: np.ndarray, head_names: list[str | None]) -> np.ndarray:
@@ -117,23 +114,29 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
     # keeps its name)
     pruned = sorted((int(counts[h]) for h in range(n_novel) if too_few[h] and counts[h] > 0
                      and head_names[n_seen + h] is None), reverse=True)  # fmt: skip
+    notes = []
     if pruned:
-        logger.warning(
-            "%d novel head(s) won only %s unlabelled cell(s), fewer than the %d a cluster needs: too "
-            "few for a cluster the data can support, so their cells take their next most "
-            "probable head (uns['orca']['n_novel']['pruned']).",
-            len(pruned), ", ".join(map(str, pruned)), bar,
-        )  # fmt: skip
+        sizes = ", ".join(map(str, pruned))
+        notes.append(Note(
+            f"{len(pruned)} novel head(s) of {sizes} cell(s), under the {bar} a cluster needs, "
+            "pruned (uns['orca']['n_novel']['pruned']).",
+            f"{len(pruned)} novel head(s) won only {sizes} unlabelled cell(s), fewer than the "
+            f"{bar} a cluster needs: too few for a cluster the data can support, so their cells "
+            "take their next most probable head (uns['orca']['n_novel']['pruned']).",
+        ))  # fmt: skip
     for (h, k, _), t in zip(pairs, tested, strict=True):
         if t["set_apart"] and counts[h] > 0:
-            logger.warning(
-                "A novel cluster of %d cells was reported as %s (its marker signature matches "
-                "the type's), but matches %s less well than the %d query cells %s's head kept "
-                "in its batch (permutation p = %.3f): it may be a novel type beside %s, or a "
-                "part of %s that looks unlike it (uns['orca']['merged_into_known']).",
-                int(counts[h]), classes[k], classes[k], t["n_kept"], classes[k], t["p_value"],
-                classes[k], classes[k],
-            )  # fmt: skip
+            n, name = int(counts[h]), classes[k]
+            notes.append(Note(
+                f"A cluster of {n} cells kept as '{name}' matches it less well than its own "
+                f"cells (p = {t['p_value']:.3f}): maybe a type beside it "
+                "(uns['orca']['merged_into_known']).",
+                f"A novel cluster of {n} cells was reported as {name} (its marker signature "
+                f"matches the type's), but matches {name} less well than the {t['n_kept']} query "
+                f"cells {name}'s head kept in its batch (permutation p = {t['p_value']:.3f}): it "
+                f"may be a novel type beside {name}, or a part of {name} that looks unlike it "
+                "(uns['orca']['merged_into_known']).",
+            ))  # fmt: skip
     merged = {
         "cluster": [f"head_{h}" for h, _, _ in pairs],
         "type": [classes[k] for _, k, _ in pairs],
@@ -150,7 +153,7 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         "same_as": [f"head_{b}" for _, b, _ in same],
         "name": [head_names[n_seen + b] for _, b, _ in same],
         "correlation": [round(r, 4) for _, _, r in same],
-    }, pruned)  # fmt: skip
+    }, pruned, notes)  # fmt: skip
 
 
 def _novel_similarity(fit: Fit, head: np.ndarray, head_names: list, novel_names: list) -> dict:

@@ -31,7 +31,6 @@ from ._card import model_card
 from ._cells import CellMatrix, infer, reproducible, resolve_device
 from ._config import OrcaConfig, resolve_config
 from ._data import batch_column, check_unique_genes
-from ._discover.evidence import evidence_note
 from ._engine import stage
 from ._errors import OrcaInputError, check_anndata, check_input_file
 from ._heads import (
@@ -111,13 +110,11 @@ def _assemble(
     labels = model.labels_for(head)
     test = novelty_test(fit.novelty_pvalues, labels, data.labeled, novel_names, cfg.discovery,
                         (data.domain, list(data.domain_names)))  # fmt: skip
-    for note in test.notes if test is not None else []:
-        logger.warning(note)
     vote = _majority_vote(fit, labels) if cfg.majority_vote else None
     record = annotate_record(fit, model, head, naming, labels_key, mode, test, calibration,
                              majority_vote=None if vote is None else vote.record)  # fmt: skip
-    if (note := evidence_note(record.novel_evidence)) is not None:
-        logger.warning(note)
+    for note in record.notes:  # where the data cannot support a call: one line each
+        logger.warning(note.line)
     annotation = Annotation(
         labels=(labels if vote is None else vote.labels)[out],
         confidence=confidence[out],

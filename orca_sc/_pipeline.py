@@ -184,8 +184,6 @@ def _fit(run: RunContext) -> Fit:
     t3 = time.perf_counter()
     found = cand.found
     logger.info("Novel heads: %d (estimated novel types: %d).", found.n_heads, found.n_novel)
-    for note in [*found.notes, *(check or {}).get("notes", [])]:  # the data cannot support a call
-        logger.warning(note)
     with stage("inference"):
         probs, embedding = infer(ow.net, run.cells, comm=run.comm)
     t4 = time.perf_counter()

@@ -26,6 +26,7 @@ from ._cli_common import (
     Outputs,
     cli_logging,
     errors,
+    held_notes,
     rank,
     read_h5ad,
     reported_by_rank0,
@@ -442,7 +443,8 @@ def demo(ctx, outdir, seed, quiet):
         outputs = Outputs(True, [])
         h5 = outputs.claim(d / "pbmc68k_orca.h5ad", "Output file")
         png = outputs.claim(d / "pbmc68k_orca_umap.png", "Plot file")
-        res = run_demo(seed=seed, progress=not quiet)
+        with held_notes():  # the demo leads with what it found; the notes come below it
+            res = run_demo(seed=seed, progress=not quiet)
         adata, metrics = res["adata"], res["report"]
         summary = summarize(adata)
         fig = umap_figure(adata)
@@ -451,7 +453,7 @@ def demo(ctx, outdir, seed, quiet):
         outputs.commit()
 
     click.echo(f"pbmc68k_reduced: {adata.n_obs} cells; hidden types: {', '.join(DEMO_NOVEL)}")
-    _echo_summary(summary, metrics)
+    _echo_summary(summary, metrics, notes=True)
     click.echo(f"Wrote {h5} and {png}")
 
 

@@ -79,8 +79,12 @@ def test_output_contract(small_run, small_sim, tmp_path):
     assert set(u["not_made"]) == {"self_check", "majority_vote"}  # the options left off
     assert rec.novelty_test is not None and rec.mode == "single"
     assert list(rec.seen_classes) == list(u["seen_classes"])
-    notes = [*u["estimate"].get("notes", []), *u["novelty_test"].get("notes", [])]
-    assert rec.notes == [str(n) for n in notes]
+    # the notes: each section's paragraphs with their lines, in the record's order
+    sections = [u[k] for k in ("estimate", "n_novel", "novelty_test")]
+    paragraphs = [str(p) for s in sections for p in s.get("notes", [])]
+    lines = [str(x) for s in sections for x in s.get("note_lines", [])]
+    assert [str(n) for n in rec.notes][: len(paragraphs)] == paragraphs
+    assert [n.line for n in rec.notes][: len(lines)] == lines and len(lines) == len(paragraphs)
     # a record from before the typed one (no not_made), or none at all, reads back too
     old = orca_sc.tl.RunRecord.from_uns({k: v for k, v in u.items() if k != "not_made"})
     assert old.novelty_test is not None and orca_sc.tl.RunRecord.from_uns({}).training is None

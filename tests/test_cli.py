@@ -95,7 +95,14 @@ def test_annotate_writes_annotated_query_model_and_report(annotated, files):
     assert "Cells per predicted label:" in so
     for label, n in out.obs["orca_label"].value_counts().items():
         assert any(line.split()[:2] == [label, str(n)] for line in so.splitlines())
-    assert "novel_1 (" in so and "closest: type_" in so and "top markers:" in so
+    summary = orca_sc.tl.summarize(out)
+    first = summary["novel"][0]  # each novel cluster in a line: size, closest types, markers
+    assert any(
+        line.split()[:3] == [first["name"], f"{first['size']:,}", "cells"]
+        and f"{first['closest'][0]['type']} " in line
+        and ", ".join(first["markers"]) in line
+        for line in so.splitlines()
+    )
     assert f"seen accuracy    {rep['seen_accuracy']:.3f}" in so
     # --self-check: one of the three reference types hidden, reported on stdout and in the JSON
     check = out.uns["orca"]["self_check"]
@@ -218,6 +225,26 @@ def test_demo_end_to_end(tmp_path):
     assert f"novel accuracy   {rep['novel_accuracy']:.3f}" in r.stdout
     assert rep["novel_accuracy"] >= 0.6 and rep["all_accuracy"] >= 0.6
     assert (tmp_path / "demo" / "pbmc68k_orca_umap.png").read_bytes()[:4] == b"\x89PNG"
+    # what it found first, the evidence below it: the notes' lines there, not in the log
+    out = r.stdout
+    assert out.index("Novel clusters") < out.index("Cells per predicted label") < out.index(
+        "Metrics"
+    ) < out.index("Evidence")
+    lines = [n.line for n in orca_sc.tl.RunRecord.from_uns(a.uns["orca"]).notes]
+    evidence = out[out.index("Evidence") :].splitlines()
+    assert lines and all(f"  {x}" in evidence for x in lines)
+    assert not any(x in r.stderr for x in lines)
+
+
+def test_notes_are_one_line_each_in_the_log(annotated):
+    """The log (stderr) shows each note of the run as one line, never its paragraph."""
+    r = annotated["result"]
+    a = ad.read_h5ad(annotated["dir"] / "out.h5ad")
+    notes = orca_sc.tl.RunRecord.from_uns(a.uns["orca"]).notes
+    assert notes
+    err = r.stderr.splitlines()
+    assert all(n.line in err for n in notes)
+    assert not any(str(n) in r.stderr for n in notes)
 
 
 def test_version_and_help():

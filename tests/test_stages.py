@@ -198,7 +198,9 @@ def test_size_check_of_a_run_leaves_its_labels_alone(small_sim, monkeypatch):
     assert rec["candidates"] == checked.uns["orca"]["estimate"]["n_novel"]
     np.testing.assert_array_equal(plain.obs["orca_label"], checked.obs["orca_label"])
     summary = orca_sc.tl.summarize(checked, n_markers=0)
-    assert summary["notes"] == list(checked.uns["orca"]["estimate"]["notes"])
+    record = orca_sc.tl.RunRecord.from_uns(checked.uns["orca"])
+    assert summary["notes"] == [n.line for n in record.notes]
+    assert set(checked.uns["orca"]["estimate"]["note_lines"]) <= set(summary["notes"])
 
 
 def test_discovery_on_a_sample_of_fixed_size_finds_the_novel_types_of_every_cell(

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .._ablation import DiscoveryRules
+from .._notes import Note, note_fields
 
 _DEFAULTS = DiscoveryRules()
 #: below this many unlabelled cells, discover notes that small novel types go undetected
@@ -52,7 +53,7 @@ class Discovery:
         """What ``uns['orca']['estimate']`` holds: the diagnostics, the threshold and the notes."""
         if self.threshold is None:  # no warm-up: no threshold, no notes
             return dict(self.diagnostics)
-        return {**self.diagnostics, "threshold": self.threshold, "notes": list(self.notes)}
+        return {**self.diagnostics, "threshold": self.threshold, **note_fields(self.notes)}
 
 
 def _once_per_cell_set(pca_of: Callable[[np.ndarray], np.ndarray]):
@@ -78,24 +79,37 @@ def _notes(labels, n_seen: int, n_cal: int, cfg: DiscoveryRules) -> list[str]:
     per_class = np.bincount(labels[lab], minlength=n_seen)
     if cfg.calibration_fraction > 0 and n_cal * cfg.ood_max_rate < 1:
         notes.append(
-            f"Only {n_cal} labelled cells were held out to calibrate the out-of-distribution "
-            f"threshold (fewer than 1/ood_max_rate = {1 / cfg.ood_max_rate:.0f}): the share of "
-            "known-type cells called novel is not controlled; more labelled cells would "
-            "tighten it."
+            Note(
+                f"Only {n_cal} labelled cells calibrate the threshold: the share of known-type "
+                "cells called novel is not controlled (uns['orca']['estimate']['notes']).",
+                f"Only {n_cal} labelled cells were held out to calibrate the out-of-distribution "
+                f"threshold (fewer than 1/ood_max_rate = {1 / cfg.ood_max_rate:.0f}): the share of "
+                "known-type cells called novel is not controlled; more labelled cells would "
+                "tighten it.",
+            )
         )
     elif cfg.calibration_fraction == 0 and np.median(per_class) < _FEW_LABELS:
         notes.append(
-            f"Few labelled cells per known type (median {np.median(per_class):.0f}): the "
-            "warm-up fits them closely, so cells of known types can score as unlike them and "
-            "be reported as novel clusters (simulated, 17-25 labelled cells per type: 17-47% of "
-            "known-type cells). Check novel clusters against uns['orca']['novel_similarity'], "
-            "or calibrate the threshold on held-out cells: calibration_fraction=0.2."
+            Note(
+                f"Few labelled cells per known type (median {np.median(per_class):.0f}): "
+                "known-type cells may be called novel (uns['orca']['estimate']['notes']).",
+                f"Few labelled cells per known type (median {np.median(per_class):.0f}): the "
+                "warm-up fits them closely, so cells of known types can score as unlike them and "
+                "be reported as novel clusters (simulated, 17-25 labelled cells per type: 17-47% of "
+                "known-type cells). Check novel clusters against uns['orca']['novel_similarity'], "
+                "or calibrate the threshold on held-out cells: calibration_fraction=0.2.",
+            )
         )
     if n_unl < _SMALL_QUERY:
         notes.append(
-            f"Only {n_unl} unlabelled cells: a novel type of fewer than about "
-            f"{cfg.n_neighbors} cells (the neighbours of the clustering graph) rarely forms a "
-            "cluster of its own and may be absorbed by a known type (simulated 150-cell "
-            "queries: a third of the novel-type cells were)."
+            Note(
+                f"Only {n_unl} unlabelled cells: a novel type of fewer than about "
+                f"{cfg.n_neighbors} cells may be absorbed by a known type "
+                "(uns['orca']['estimate']['notes']).",
+                f"Only {n_unl} unlabelled cells: a novel type of fewer than about "
+                f"{cfg.n_neighbors} cells (the neighbours of the clustering graph) rarely forms a "
+                "cluster of its own and may be absorbed by a known type (simulated 150-cell "
+                "queries: a third of the novel-type cells were).",
+            )
         )
     return notes

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from .._notes import Note
 from ._stage import _FEW_LABELS
 
 
@@ -53,14 +54,11 @@ def novel_evidence(names: list[str], sizes: dict[str, int], similarity: dict[str
             shortage.append("too few labelled cells calibrate the novelty test")
         if n < n_neighbors:
             shortage.append(
-                f"only {n} cells, fewer than the {n_neighbors} neighbours of the clustering "
-                "graph: it may be a fragment of a known type"
+                f"only {n} cells, under the {n_neighbors} neighbours of the clustering graph: "
+                "maybe a fragment of a known type"
             )
         if 0 <= best and n_lab < _FEW_LABELS:
-            shortage.append(
-                f"its closest known type, {closest}, has only {n_lab} labelled cells: cells of "
-                f"{closest} unlike those few can be called novel"
-            )
+            shortage.append(f"its closest known type, {closest}, has only {n_lab} labelled cells")
         if verdict == "significant":
             evidence, reason = "supported", ""
         elif shortage:
@@ -80,13 +78,21 @@ def novel_evidence(names: list[str], sizes: dict[str, int], similarity: dict[str
     return out
 
 
-def evidence_note(evidence: dict[str, list]) -> str | None:
-    """One line for the log naming the novel clusters the data cannot support (``None``: none)."""
-    thin = [c for c, e in zip(evidence["cluster"], evidence["evidence"], strict=True)
-            if e == "cannot tell"]  # fmt: skip
+def evidence_note(evidence: dict[str, list]) -> Note | None:
+    """The note naming the novel clusters the data cannot support (``None``: none), with each
+    one's reason in its paragraph.
+    """
+    reasons = evidence.get("reason")
+    reasons = [""] * len(evidence["cluster"]) if reasons is None else list(reasons)
+    thin = [(c, r) for c, e, r in zip(evidence["cluster"], evidence["evidence"], reasons,
+                                      strict=True) if e == "cannot tell"]  # fmt: skip
     if not thin:
         return None
-    return (
-        f"Novel cluster(s) {', '.join(thin)}: the data are too thin to tell whether they are new "
-        "types (uns['orca']['novel_evidence'], evidence 'cannot tell', with the reason)."
+    names = ", ".join(c for c, _ in thin)
+    return Note(
+        f"Novel cluster(s) {names}: the data are too thin to tell whether they are new types "
+        "(uns['orca']['novel_evidence']).",
+        f"Novel cluster(s) {names}: the data are too thin to tell whether they are new types. "
+        + " ".join(f"{c}: {r}." for c, r in thin if r)
+        + " (uns['orca']['novel_evidence'], evidence 'cannot tell', with the reason)",
     )

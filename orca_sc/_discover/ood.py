@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .._ablation import DiscoveryRules
+from .._notes import Note
 from .graph import leiden
 
 _DEFAULTS = DiscoveryRules()
@@ -186,12 +187,17 @@ def shift_notes(record: dict, batch_names: list[str], class_names: list[str] | N
             name = class_names[t] if class_names is not None else f"known type {t}"
             rest = f" (the batch's other types: {typical:+.2f})" if others else ""
             notes.append(
-                f"In query batch '{batch_names[d]}', the cells that '{name}' claims score "
-                f"{delta:+.2f} against its labelled cells{rest}; taken as "
-                f"a shift of the batch, this keeps {n} of them known that the in-sample "
-                f"threshold calls out of distribution. If '{name}' is absent from that batch, "
-                f"they may be a novel type its head absorbs: check their markers, or compare "
-                f"with cross_fit_threshold='none' (uns['orca']['estimate']['shift_kept'])."
+                Note(
+                    f"Query batch '{batch_names[d]}': {n} cells of '{name}' kept known as a shift "
+                    f"({delta:+.2f}); they may be a type it lacks "
+                    "(uns['orca']['estimate']['shift_kept']).",
+                    f"In query batch '{batch_names[d]}', the cells that '{name}' claims score "
+                    f"{delta:+.2f} against its labelled cells{rest}; taken as "
+                    f"a shift of the batch, this keeps {n} of them known that the in-sample "
+                    f"threshold calls out of distribution. If '{name}' is absent from that batch, "
+                    f"they may be a novel type its head absorbs: check their markers, or compare "
+                    f"with cross_fit_threshold='none' (uns['orca']['estimate']['shift_kept']).",
+                )
             )
     return notes
 

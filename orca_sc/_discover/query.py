@@ -16,6 +16,7 @@ import numpy as np
 
 from .._ablation import DiscoveryRules
 from .._conformal import CrossConformal
+from .._notes import Note
 from .graph import leiden
 from .ood import cells_for_quantile
 
@@ -47,11 +48,16 @@ def spread_notes(votes: list[dict], batch_names: list[str],
             for v in left
         ]
         notes.append(
-            f"In query batch '{batch_names[d]}', {len(left)} cluster(s) had many cells below "
-            f"their type's threshold but score like its labelled cells as a whole: "
-            f"{'; '.join(parts)}. They stay known (a condition or stimulation that spreads a "
-            f"known type looks like this); if one is a type the reference lacks, check its "
-            f"markers (uns['orca']['estimate']['query_votes'])."
+            Note(
+                f"Query batch '{batch_names[d]}': {len(left)} spread cluster(s) of "
+                f"{sum(v['cells'] for v in left):,} cells kept known; check their markers "
+                "(uns['orca']['estimate']['query_votes']).",
+                f"In query batch '{batch_names[d]}', {len(left)} cluster(s) had many cells below "
+                f"their type's threshold but score like its labelled cells as a whole: "
+                f"{'; '.join(parts)}. They stay known (a condition or stimulation that spreads a "
+                f"known type looks like this); if one is a type the reference lacks, check its "
+                f"markers (uns['orca']['estimate']['query_votes']).",
+            )
         )
     return notes
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from .._notes import Note
 from ._stage import Discovery
 from .graph import subsample_rows
 
@@ -62,31 +63,41 @@ def size_check(
     notes = found.notes
     if record["threshold_degenerate"]:
         notes += (
-            f"Discovery's out-of-distribution threshold among {n_cells:,} cells is "
-            f"{tau:.3f}, against {sample_tau:.3f} when the warm-up and discovery "
-            f"ran on a random {sample.size:,} of them alone: the warm-up fitted its labelled "
-            "cells so loosely at this size that almost no cell falls below it, and cells of a "
-            "novel type can go unnoticed"
-            + (
-                " in batches with labelled cells (in batches without them clusters were also "
-                "voted on their cells' scores against labelled cells no net trained on, which "
-                "this does not affect: estimate['query_votes'])"
-                if _conformal_votes(found)
-                else ""
-            )
-            + ". uns['orca']['estimate']['size_check'] has both.",
+            Note(
+                f"The threshold among {n_cells:,} cells ({tau:.3f}) is far below a "
+                f"{sample.size:,}-cell sample's ({sample_tau:.3f}): novel cells can go unnoticed "
+                "(uns['orca']['estimate']['size_check']).",
+                f"Discovery's out-of-distribution threshold among {n_cells:,} cells is "
+                f"{tau:.3f}, against {sample_tau:.3f} when the warm-up and discovery "
+                f"ran on a random {sample.size:,} of them alone: the warm-up fitted its labelled "
+                "cells so loosely at this size that almost no cell falls below it, and cells of a "
+                "novel type can go unnoticed"
+                + (
+                    " in batches with labelled cells (in batches without them clusters were also "
+                    "voted on their cells' scores against labelled cells no net trained on, which "
+                    "this does not affect: estimate['query_votes'])"
+                    if _conformal_votes(found)
+                    else ""
+                )
+                + ". uns['orca']['estimate']['size_check'] has both.",
+            ),
         )
     if not record["agrees"]:
         notes += (
-            f"Discovery found {k} candidate novel cluster(s) among {n_cells:,} cells, but {m} "
-            f"when the warm-up and discovery ran on a random {sample.size:,} of them alone: at "
-            "this size the call depends on how many cells carry each type, not on the data "
-            "alone, and this run cannot tell which count is right (the sample also holds fewer "
-            "labelled cells)"
-            + (", so 'no novel type' is not supported by these data" if k == 0 else "")
-            + ". Compare with a run on a random sample of the cells "
-            f"(sc.pp.subsample(adata, n_obs={sample.size})); "
-            "uns['orca']['estimate']['size_check'] has both counts.",
+            Note(
+                f"{k} candidate novel cluster(s) among {n_cells:,} cells, {m} in a "
+                f"{sample.size:,}-cell sample: the count depends on the size "
+                "(uns['orca']['estimate']['size_check']).",
+                f"Discovery found {k} candidate novel cluster(s) among {n_cells:,} cells, but {m} "
+                f"when the warm-up and discovery ran on a random {sample.size:,} of them alone: at "
+                "this size the call depends on how many cells carry each type, not on the data "
+                "alone, and this run cannot tell which count is right (the sample also holds fewer "
+                "labelled cells)"
+                + (", so 'no novel type' is not supported by these data" if k == 0 else "")
+                + ". Compare with a run on a random sample of the cells "
+                f"(sc.pp.subsample(adata, n_obs={sample.size})); "
+                "uns['orca']['estimate']['size_check'] has both counts.",
+            ),
         )
     return replace(found, diagnostics={**found.diagnostics, "size_check": record}, notes=notes)
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .._ablation import DiscoveryRules
+from .._notes import Note, note_fields
 from .ood import _hold_out_per_class
 
 _DEFAULTS = DiscoveryRules()
@@ -152,16 +153,24 @@ def self_check_report(
     notes = []
     if kno.sum() >= 1 / cfg.ood_max_rate and report["known_called_novel"] > cfg.ood_max_rate:
         notes.append(
-            f"Self-check: with {hidden} hidden, the discover rules put "
-            f"{report['known_called_novel']:.0%} of held-out known-type cells into novel "
-            "clusters; expect a similar share of this query's known-type cells in novel "
-            "clusters (see uns['orca']['self_check'])."
+            Note(
+                f"Self-check: {report['known_called_novel']:.0%} of held-out known-type cells "
+                "called novel; expect as much here (uns['orca']['self_check']).",
+                f"Self-check: with {hidden} hidden, the discover rules put "
+                f"{report['known_called_novel']:.0%} of held-out known-type cells into novel "
+                "clusters; expect a similar share of this query's known-type cells in novel "
+                "clusters (see uns['orca']['self_check']).",
+            )
         )
     if nov.any() and report["novel_called"] < 0.5:
         notes.append(
-            f"Self-check: the discover rules called only {report['novel_called']:.0%} of the "
-            f"cells of the hidden known types ({hidden}) novel; novel types as close to the "
-            "known ones as these may be absorbed by known types."
+            Note(
+                f"Self-check: only {report['novel_called']:.0%} of the hidden types' cells called "
+                "novel; close novel types may be absorbed (uns['orca']['self_check']).",
+                f"Self-check: the discover rules called only {report['novel_called']:.0%} of the "
+                f"cells of the hidden known types ({hidden}) novel; novel types as close to the "
+                "known ones as these may be absorbed by known types.",
+            )
         )
-    report["notes"] = notes
+    report.update(note_fields(notes))
     return report

@@ -300,7 +300,10 @@ class _Page:
             return (
                 "<h2>Notes</h2><p>None: the run raised no warning about what the data support.</p>"
             )
-        items = "".join(f"<li>{_e(n)}</li>" for n in notes)
+        items = "".join(
+            f"<li><b>{_e(n.line)}</b>" + (f"<br>{_e(n)}" if str(n) != n.line else "") + "</li>"
+            for n in notes
+        )
         return f"<h2>Notes and warnings</h2><ul class='notes'>{items}</ul>"
 
     def _parameters(self) -> str:

@@ -50,8 +50,9 @@ def summarize(
     ``markers``, ``closest`` as ``[{"type", "similarity"}]``, ``supported``: the novelty test's
     verdict, ``uns['{key_added}']['novelty_test']``; ``evidence`` and ``reason``: whether the
     data can support the call, ``uns['{key_added}']['novel_evidence']``), ``notes``: where the
-    data cannot support discovery's call (``uns['{key_added}']['estimate']['notes']``), and
-    ``self_check``
+    data cannot support a call, one line each naming the ``uns`` key with the detail (the
+    paragraphs are in the sections' ``notes``, e.g. ``uns['{key_added}']['estimate']['notes']``,
+    and in :func:`orca_sc.tl.report`), and ``self_check``
     when the run made one (``annotate(..., self_check=True)``: hidden types, the share of their cells called
     novel, the share of held-out known-type cells called novel, clusters found).
 
@@ -96,7 +97,7 @@ def summarize(
         "label_counts": {str(k): int(v) for k, v in counts.items()},
         "mean_confidence": float(np.mean(adata.obs[f"{key_added}_confidence"])),
         "novel": novel,
-        "notes": [str(n) for n in (record.estimate or {}).get("notes", [])],
+        "notes": [n.line for n in record.notes],
     }
     check = record.self_check
     if check is not None and "novel_called" in check:
