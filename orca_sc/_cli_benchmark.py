@@ -322,8 +322,9 @@ def _run_threads(runs) -> int | None:
 @click.option(
     "--before-prefix",
     default="",
-    help="Read the before run's figures from the columns of this prefix (per_cell_: a run with "
-    "majority_vote=True keeps the unvoted labels there).",
+    help="Read the before run's figures from the columns of this prefix (e.g. per_cell: a run "
+    "with majority_vote=True keeps the unvoted labels' figures in the columns "
+    "per_cell_novel_called, per_cell_all_acc and so on).",
 )
 @click.option("--after-prefix", default="", help="As --before-prefix, for the after run.")
 @click.option(

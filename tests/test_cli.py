@@ -227,9 +227,12 @@ def test_demo_end_to_end(tmp_path):
     assert (tmp_path / "demo" / "pbmc68k_orca_umap.png").read_bytes()[:4] == b"\x89PNG"
     # what it found first, the evidence below it: the notes' lines there, not in the log
     out = r.stdout
-    assert out.index("Novel clusters") < out.index("Cells per predicted label") < out.index(
-        "Metrics"
-    ) < out.index("Evidence")
+    assert (
+        out.index("Novel clusters")
+        < out.index("Cells per predicted label")
+        < out.index("Metrics")
+        < out.index("Evidence")
+    )
     lines = [n.line for n in orca_sc.tl.RunRecord.from_uns(a.uns["orca"]).notes]
     evidence = out[out.index("Evidence") :].splitlines()
     assert lines and all(f"  {x}" in evidence for x in lines)

@@ -55,8 +55,11 @@ def compare_columns() -> list[str]:
 
 def orca_runs(runs: pd.DataFrame, prefix: str = "") -> pd.DataFrame:
     """ORCA's rows of a suite's runs; ``prefix``: read the figures from the columns of that
-    prefix (``per_cell_``: a run with ``majority_vote=True`` keeps the unvoted labels there).
+    prefix (``"per_cell"``: a run with ``majority_vote=True`` keeps the unvoted labels' figures
+    in ``per_cell_novel_called`` and so on; the underscore is added where it is left off).
     """
+    if prefix and not prefix.endswith("_"):
+        prefix += "_"
     df = runs[runs["method"] == "ORCA"].copy() if "method" in runs else runs.copy()
     for m in METRICS:
         if prefix and f"{prefix}{m}" in df:

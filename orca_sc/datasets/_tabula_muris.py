@@ -42,8 +42,10 @@ def tabula_muris_cross_tissue(
     ----------
     adata
         Tabula Muris (Senis) AnnData — or any AnnData with cell types and a tissue column.
-    labels_key, tissue_key
-        ``obs`` columns with the cell type and the tissue.
+    labels_key
+        ``obs`` column with the cell type.
+    tissue_key
+        ``obs`` column with the tissue.
     query_tissues
         Tissues annotated as the query. Default: half of the tissues, drawn with ``seed``
         (sorted names, so the draw is reproducible).
@@ -53,14 +55,21 @@ def tabula_muris_cross_tissue(
         novel = types the reference tissues lack).
     labeled_fraction
         Fraction of each seen type's reference-tissue cells labelled.
-    min_cells, n_genes, layer, seed
-        Filtering, gene selection (``None``: all genes), expression layer, randomness.
+    min_cells
+        Cell types with fewer cells are dropped.
+    n_genes
+        Highly variable genes selected per tissue (``None``: all genes).
+    layer
+        Expression layer to read instead of ``X``.
+    seed
+        Seed of the draws: query tissues, seen classes, labelled cells.
 
     Returns
     -------
-    ``(reference, query)`` with log-normalised ``X`` on the selected genes; the query's
-    ``obs[labels_key]`` keeps the truth (for :func:`orca_sc.metrics.report`). Both have
-    ``uns['orca_task']``: the seen / novel classes and the tissues.
+    tuple[AnnData, AnnData]
+        ``(reference, query)`` with log-normalised ``X`` on the selected genes; the query's
+        ``obs[labels_key]`` keeps the truth (for :func:`orca_sc.metrics.report`). Both have
+        ``uns['orca_task']``: the seen / novel classes and the tissues.
 
     """
     import anndata as ad

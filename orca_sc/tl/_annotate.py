@@ -47,9 +47,17 @@ def annotate(
         Labelled reference AnnData; genes are matched by name.
     labels_key
         ``obs`` column with the cell types.
-    n_novel, n_genes, layer, batch_key, unlabeled_category
-        The :class:`~orca_sc.OrcaConfig` fields: novel heads or ``"auto"``, highly variable
-        genes or ``None``, expression layer, batch column, labels meaning "unlabelled".
+    n_novel
+        Novel heads, or ``"auto"`` (estimated from the data;
+        :attr:`OrcaConfig.n_novel <orca_sc.OrcaConfig>`).
+    n_genes
+        Highly variable genes to train on, or ``None`` for all.
+    layer
+        Expression layer to read instead of ``X``.
+    batch_key
+        ``obs`` column with the batches of a query (each aligned to the reference).
+    unlabeled_category
+        Label value(s) meaning "unlabelled" besides the missing ones.
     key_added
         Prefix of the fields written.
     copy
@@ -65,23 +73,31 @@ def annotate(
 
     Returns
     -------
-    The annotated copy (a list of them for several queries) if ``copy``, else ``None``. Writes
-    into each query ``obs['{key_added}_label']`` (a type or ``novel_1``, ``novel_2``, ... by
-    size), ``obs['{key_added}_novel']`` (NaN for known types), ``obs['{key_added}_confidence']``
-    (known types: the calibrated probability that the label is right; novel clusters: the
-    probability of the cluster's head), ``obs['{key_added}_novelty']`` (0-1),
-    ``obs['{key_added}_novelty_pvalue']`` and ``_qvalue`` (the conformal novelty test; not with
-    ``novelty_folds=0``), with ``majority_vote=True`` ``obs['{key_added}_label_per_cell']``,
-    ``obs['{key_added}_overcluster']`` and ``obs['{key_added}_vote_mixed']``,
-    ``obsm['X_{key_added}']`` (embedding), ``uns['{key_added}_label_colors']`` and
-    ``uns['{key_added}_novel_colors']`` (one colour per label, as scanpy keeps ``*_colors``: a
-    known type has the same colour in every run on the same reference), ``uns['{key_added}']``:
-    ``params``, ``mode``, ``seen_classes``, ``novel_cluster_sizes``, ``novel_similarity``,
-    ``merged_into_known``, ``same_novel_type``, ``n_novel``, ``estimate``, ``self_check``,
-    ``confidence``, ``novelty_test``, ``novel_evidence``, ``majority_vote``, ``queries``,
-    ``input_scale``, ``alignment``, ``data``, ``history``, ``training``, ``seed``, ``version``,
-    ``not_made`` (the sections this run did not make; :class:`orca_sc.tl.RunRecord` reads the
-    record back, see the README's Outputs).
+    AnnData | list[AnnData] | None
+        The annotated copy (a list of them for several queries) if ``copy``, else ``None``.
+        Each query gets:
+
+        - ``obs['{key_added}_label']``: a known type or ``novel_1``, ``novel_2``, ... by size;
+        - ``obs['{key_added}_novel']``: the novel cluster, NaN for known types;
+        - ``obs['{key_added}_confidence']``: for a known type the calibrated probability that
+          the label is right, for a novel cluster the probability of its head;
+        - ``obs['{key_added}_novelty']``: 0-1, how unlike the labelled cells;
+        - ``obs['{key_added}_novelty_pvalue']`` and ``obs['{key_added}_novelty_qvalue']``: the
+          conformal novelty test (not with ``novelty_folds=0``);
+        - with ``majority_vote=True``: ``obs['{key_added}_label_per_cell']``,
+          ``obs['{key_added}_overcluster']`` and ``obs['{key_added}_vote_mixed']``;
+        - ``obsm['X_{key_added}']``: the embedding;
+        - ``uns['{key_added}_label_colors']`` and ``uns['{key_added}_novel_colors']``: one
+          colour per label, as scanpy keeps ``*_colors`` (a known type has the same colour in
+          every run on the same reference);
+        - ``uns['{key_added}']``: the run's record, ``params``, ``mode``, ``seen_classes``,
+          ``novel_cluster_sizes``, ``novel_similarity``, ``merged_into_known``,
+          ``same_novel_type``, ``n_novel``, ``estimate``, ``self_check``, ``confidence``,
+          ``novelty_test``, ``novel_evidence``, ``majority_vote``, ``queries``,
+          ``input_scale``, ``alignment``, ``data``, ``history``, ``training``, ``seed``,
+          ``version`` and ``not_made`` (the sections this run did not make).
+          :class:`orca_sc.tl.RunRecord` reads it back; the documentation's *Outputs in
+          detail* says what each holds.
 
     """
     from .._dist import main_process

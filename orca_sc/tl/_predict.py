@@ -47,10 +47,12 @@ def predict(
 
     Returns
     -------
-    The annotated copy if ``copy``, else ``None``. Writes the same ``obs`` and ``obsm`` fields as
-    :func:`orca_sc.tl.annotate` and ``uns['{key_added}']`` with ``mode='predict'``,
-    ``seen_classes``, ``novel_cluster_sizes`` (cells in each novel cluster here),
-    ``novel_similarity``, ``input_scale``, ``n_genes_missing`` and ``version``.
+    AnnData | None
+        The annotated copy if ``copy``, else ``None``. Writes the same ``obs`` and ``obsm``
+        fields as :func:`orca_sc.tl.annotate` and ``uns['{key_added}']`` with
+        ``mode='predict'``, ``seen_classes``, ``novel_cluster_sizes`` (cells in each novel
+        cluster here), ``novel_similarity``, ``input_scale``, ``n_genes_missing`` and
+        ``version``.
 
     """
     check_anndata(adata, "adata")

@@ -45,16 +45,21 @@ def summarize(
 
     Returns
     -------
-    A JSON-able dict: ``n_cells``, ``label_counts`` (label → cells, largest first),
-    ``mean_confidence`` and ``novel`` (one record per novel cluster: ``name``, ``size``,
-    ``markers``, ``closest`` as ``[{"type", "similarity"}]``, ``supported``: the novelty test's
-    verdict, ``uns['{key_added}']['novelty_test']``; ``evidence`` and ``reason``: whether the
-    data can support the call, ``uns['{key_added}']['novel_evidence']``), ``notes``: where the
-    data cannot support a call, one line each naming the ``uns`` key with the detail (the
-    paragraphs are in the sections' ``notes``, e.g. ``uns['{key_added}']['estimate']['notes']``,
-    and in :func:`orca_sc.tl.report`), and ``self_check``
-    when the run made one (``annotate(..., self_check=True)``: hidden types, the share of their cells called
-    novel, the share of held-out known-type cells called novel, clusters found).
+    dict
+        A JSON-able dict:
+
+        - ``n_cells``, ``label_counts`` (label → cells, largest first) and
+          ``mean_confidence``;
+        - ``novel``: one record per novel cluster, ``name``, ``size``, ``markers``,
+          ``closest`` as ``[{"type", "similarity"}]``, ``supported`` (the novelty test's
+          verdict, ``uns['{key_added}']['novelty_test']``), ``evidence`` and ``reason``
+          (whether the data can support the call, ``uns['{key_added}']['novel_evidence']``);
+        - ``notes``: where the data cannot support a call, one line each naming the ``uns``
+          key with the detail (the paragraphs are in the sections' ``notes``, e.g.
+          ``uns['{key_added}']['estimate']['notes']``, and in :func:`orca_sc.tl.report`);
+        - ``self_check`` when the run made one (``annotate(..., self_check=True)``): the
+          hidden types, the share of their cells called novel, the share of held-out
+          known-type cells called novel, the clusters found.
 
     """
     col = f"{key_added}_label"

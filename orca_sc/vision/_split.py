@@ -11,10 +11,10 @@ from .._errors import ConfigError
 
 @dataclass(frozen=True)
 class OpenWorldSplit:
-    """Classes ``0 .. n_seen - 1`` are seen (as in the reference code); ``labelled`` holds the
-    indices of the labelled training images (a ``labelled_fraction`` of each seen class),
-    ``unlabelled`` the rest of the training set (the other seen-class images and every image of a
-    novel class): the transductive evaluation set.
+    """A seen/novel split of an image dataset: classes 0 to ``n_seen - 1`` are seen (as in the
+    reference code); ``labelled`` holds the indices of the labelled training images (a
+    ``labelled_fraction`` of each seen class), ``unlabelled`` the rest of the training set (the
+    other seen-class images and every image of a novel class): the transductive evaluation set.
     """
 
     n_classes: int
