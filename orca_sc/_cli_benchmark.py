@@ -328,12 +328,20 @@ def _run_threads(runs) -> int | None:
 )
 @click.option("--after-prefix", default="", help="As --before-prefix, for the after run.")
 @click.option(
+    "--ceiling",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="The runs.csv of the supervised reference on the same tasks and seeds (--method "
+    "'Supervised reference (query labels, CV)'): adds the goals per dataset family on the tasks "
+    "where it meets them, and the leave-one-family-out verdict.",
+)
+@click.option(
     "--check",
     is_flag=True,
     help="Exit with status 1 when a task fails the drops check (a change meant to move no label).",
 )
 @click.pass_context
-def compare(ctx, before, after, out, before_prefix, after_prefix, check):
+def compare(ctx, before, after, out, before_prefix, after_prefix, ceiling, check):
     """Before/after tables of two development-suite runs (their runs.csv).
 
     Per task the four figures with their seed spread (novel->novel, known->novel, all-class
@@ -346,8 +354,6 @@ def compare(ctx, before, after, out, before_prefix, after_prefix, check):
       orca-sc benchmark --suite dev --method ORCA --set novelty_folds=0 --outdir after
       orca-sc compare before/runs.csv after/runs.csv --out compare.md
     """
-    import pandas as pd
-
     from . import benchmark as B
 
     with errors(ctx):
@@ -356,18 +362,16 @@ def compare(ctx, before, after, out, before_prefix, after_prefix, check):
             ("BEFORE", before, before_prefix),
             ("AFTER", after, after_prefix),
         ):
-            try:
-                df = pd.read_csv(path)
-            except (OSError, ValueError) as e:
-                reason = " ".join(str(e).split())
-                raise CliError(f"{name} {path!r} cannot be read as a CSV file: {reason}") from None
-            missing = sorted({"task", "seed", *B.compare_columns()} - set(df.columns))
-            if missing:
-                raise CliError(
-                    f"{name} {path!r} is not a suite's runs.csv: it lacks the columns {missing}."
-                )
-            runs.append(B.orca_runs(df, prefix))
-        result = B.compare_runs(*runs)
+            runs.append(B.orca_runs(_runs_csv(name, path), prefix))
+        ref = None
+        if ceiling is not None:
+            from .benchmark._suite_table import REFERENCE
+
+            df = _runs_csv("--ceiling", ceiling)
+            ref = B.orca_runs(df, method=REFERENCE) if "method" in df else df.iloc[:0]
+            if ref.empty:
+                raise CliError(f"--ceiling {ceiling!r} holds no rows of method {REFERENCE!r}.")
+        result = B.compare_runs(*runs, ceiling=ref)
         if result.n_tasks == 0:
             raise CliError("BEFORE and AFTER have no task in common.")
         if out is not None:
@@ -375,6 +379,25 @@ def compare(ctx, before, after, out, before_prefix, after_prefix, check):
     click.echo(result.markdown)
     if check and result.failing:
         ctx.exit(1)
+
+
+def _runs_csv(name: str, path: str):
+    """A suite's runs.csv, checked for the columns the comparison reads."""
+    import pandas as pd
+
+    from . import benchmark as B
+
+    try:
+        df = pd.read_csv(path)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())
+        raise CliError(f"{name} {path!r} cannot be read as a CSV file: {reason}") from None
+    missing = sorted({"task", "seed", *B.compare_columns()} - set(df.columns))
+    if missing:
+        raise CliError(
+            f"{name} {path!r} is not a suite's runs.csv: it lacks the columns {missing}."
+        )
+    return df
 
 
 def _benchmark_outdir(outdir: str, overwrite: bool, report: str = "report.md") -> Path:

@@ -600,6 +600,12 @@ def test_compare_makes_the_before_after_tables_and_the_drops_check(orca_suite_ru
     assert "Tasks failing the check: 1 of 1" in md.read_text()
     # without --check the tables are printed and the exit is clean
     assert CliRunner().invoke(main, ["compare", str(before), str(after)]).exit_code == 0
+    # with the ceiling's rows: the families' section (a simulated task alone: no real family)
+    ceiling = pd.read_csv(before).assign(method="Supervised reference (query labels, CV)")
+    ceiling.to_csv(tmp_path / "ceiling.csv", index=False)
+    r = CliRunner().invoke(main, ["compare", str(before), str(after), "--ceiling",
+                                  str(tmp_path / "ceiling.csv")])  # fmt: skip
+    assert r.exit_code == 0 and "## Per dataset family, on feasible tasks" in r.stdout
 
 
 def test_compare_and_suite_options_refuse_bad_input(tmp_path, orca_suite_run):
@@ -609,6 +615,10 @@ def test_compare_and_suite_options_refuse_bad_input(tmp_path, orca_suite_run):
     assert_cli_error(CliRunner().invoke(main, ["compare", str(bad), runs]), "lacks the columns")
     assert_cli_error(
         CliRunner().invoke(main, ["compare", str(tmp_path / "none.csv"), runs]), "cannot be read"
+    )
+    # the ORCA rows are no ceiling: --ceiling wants the supervised reference's
+    assert_cli_error(
+        CliRunner().invoke(main, ["compare", runs, runs, "--ceiling", runs]), "holds no rows of"
     )
     out = ["--outdir", str(tmp_path / "o")]
     for args, msg in [

@@ -66,3 +66,41 @@ def test_sorted_pbmc_tasks_hide_what_the_other_side_lacks():
     # the sibling split of the sorted populations hides T-cell subsets beside a known one
     assert sib.novel and all(" T " in t or t.endswith("T cell") for t in sib.novel)
     assert not set(sib.novel) & set(sib.seen)
+
+
+def _per_task(values: dict) -> pd.DataFrame:
+    """Per-task means as :func:`orca_sc.benchmark._compare._per_task` gives them."""
+    rows = {t: {"novel_called": nn, "known_called_novel": kn, "all_acc": 0.8}
+            for t, (nn, kn) in values.items()}  # fmt: skip
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def test_a_change_is_adopted_only_where_it_pays_with_each_family_held_out():
+    from orca_sc.benchmark._compare import family_verdict
+
+    # three real families (Baron, MCA, Tabula Muris) and a simulation, which never counts
+    tasks = ["baron_mouse1_to_mouse2", "few5_mca", "tm_kidney_to_marrow", "sim_base"]
+    ceiling = _per_task({t: (0.95, 0.01) for t in tasks})
+    before = _per_task({t: (0.5, 0.01) for t in tasks})
+    # after: Baron and MCA reach the novel goal, Tabula Muris as before, the simulation worse
+    after = _per_task({**{t: (0.95, 0.01) for t in tasks[:2]},
+                       tasks[2]: (0.5, 0.01), tasks[3]: (0.1, 0.5)})  # fmt: skip
+    v = family_verdict(before, after, ceiling)
+    assert v.adopt and "simulated" not in v.table.index and len(v.table) == 3
+    assert v.table.loc["Baron pancreas", "score_after"] == 2  # both goals on the feasible task
+    # a change that costs one family is not adopted, however much it lifts the others
+    costs = after.copy()
+    costs.loc["tm_kidney_to_marrow", "known_called_novel"] = 0.2
+    assert not family_verdict(before, costs, ceiling).adopt
+    # a gain on one family alone is not chosen with that family held out: not adopted
+    one = before.copy()
+    one.loc["baron_mouse1_to_mouse2", "novel_called"] = 0.95
+    assert not family_verdict(before, one, ceiling).adopt
+    # where the ceiling misses a goal, the task does not count for it
+    hard = ceiling.copy()
+    hard.loc["tm_kidney_to_marrow", "known_called_novel"] = 0.3
+    assert family_verdict(before, costs, hard).adopt
+    assert (
+        family_verdict(before, costs, hard).table.loc["Tabula Muris", "known_called_novel_feasible"]
+        == 0
+    )

@@ -15,6 +15,10 @@ From the ``runs.csv`` of two runs with the same seeds (ORCA's rows):
    points fails), with its paired standard error over the seeds (the runs share seeds, so the
    splits are the same); a failing change is marked "beyond noise" above two of them.
 4. Where the after run has them, the training steps each phase ran against its schedule.
+5. With the ceiling's runs (``--ceiling``: the supervised reference's rows), **per dataset
+   family, on feasible tasks**: the goals met before and after on the tasks where the ceiling
+   meets them, and the leave-one-family-out verdict (:func:`family_verdict`): a change that
+   decides a label is adopted only where it pays on each real family held out in turn.
 """
 
 from __future__ import annotations
@@ -53,14 +57,15 @@ def compare_columns() -> list[str]:
     return [*METRICS, "novel_true", "seconds"]
 
 
-def orca_runs(runs: pd.DataFrame, prefix: str = "") -> pd.DataFrame:
-    """ORCA's rows of a suite's runs; ``prefix``: read the figures from the columns of that
-    prefix (``"per_cell"``: a run with ``majority_vote=True`` keeps the unvoted labels' figures
-    in ``per_cell_novel_called`` and so on; the underscore is added where it is left off).
+def orca_runs(runs: pd.DataFrame, prefix: str = "", method: str = "ORCA") -> pd.DataFrame:
+    """ORCA's rows of a suite's runs (or ``method``'s); ``prefix``: read the figures from the
+    columns of that prefix (``"per_cell"``: a run with ``majority_vote=True`` keeps the unvoted
+    labels' figures in ``per_cell_novel_called`` and so on; the underscore is added where it is
+    left off).
     """
     if prefix and not prefix.endswith("_"):
         prefix += "_"
-    df = runs[runs["method"] == "ORCA"].copy() if "method" in runs else runs.copy()
+    df = runs[runs["method"] == method].copy() if "method" in runs else runs.copy()
     for m in METRICS:
         if prefix and f"{prefix}{m}" in df:
             df[m] = df[f"{prefix}{m}"]
@@ -68,8 +73,13 @@ def orca_runs(runs: pd.DataFrame, prefix: str = "") -> pd.DataFrame:
     return df
 
 
-def compare_runs(before: pd.DataFrame, after: pd.DataFrame) -> Comparison:
-    """The four sections of the module's report for two runs' ORCA rows (:func:`orca_runs`)."""
+def compare_runs(
+    before: pd.DataFrame, after: pd.DataFrame, ceiling: pd.DataFrame | None = None
+) -> Comparison:
+    """The sections of the module's report for two runs' ORCA rows (:func:`orca_runs`), and
+    with ``ceiling`` (the supervised reference's rows of a run with the same seeds) the
+    families' section.
+    """
     b, a = _per_task(before), _per_task(after)
     common = [t for t in a.index if t in b.index]
     b, a = b.loc[common], a.loc[common]
@@ -99,7 +109,95 @@ def compare_runs(before: pd.DataFrame, after: pd.DataFrame) -> Comparison:
     drops, failing, beyond = _drops(before, after)
     lines += ["", "## Drops check", "", *drops]
     lines += _steps(after)
+    if ceiling is not None:
+        lines += ["", *family_verdict(b, a, _per_task(ceiling)).markdown]
     return Comparison("\n".join(lines) + "\n", len(common), failing, beyond)
+
+
+@dataclass(frozen=True)
+class FamilyVerdict:
+    """Per real dataset family, the goals met on feasible tasks before and after
+    (``table``), whether the after run is chosen with each family held out and holds on it,
+    and the verdict: ``adopt`` only when it is chosen on every split and no family loses.
+    """
+
+    table: pd.DataFrame
+    adopt: bool
+    markdown: list[str]
+
+
+def feasible(ceiling: pd.DataFrame) -> pd.DataFrame:
+    """Per task (rows of :func:`_per_task`), whether the ceiling meets each detection goal:
+    ``novel_called`` (tasks with a novel type) and ``known_called_novel``.
+    """
+    nn = ceiling["novel_called"]
+    return pd.DataFrame({
+        "novel_called": nn.notna() & meets_goal("novel_called", nn.fillna(0)),
+        "known_called_novel": meets_goal("known_called_novel", ceiling["known_called_novel"]),
+    }, index=ceiling.index)  # fmt: skip
+
+
+def family_verdict(b: pd.DataFrame, a: pd.DataFrame, ceiling: pd.DataFrame) -> FamilyVerdict:
+    """The leave-one-family-out judgement of ``a`` (after) against ``b`` (before), per-task
+    means over seeds (:func:`_per_task`), on the tasks of the real dataset families
+    (:func:`~._tasks.dataset_family`; the simulations are left out) where ``ceiling`` meets a
+    goal. A family's score is the number of detection goals met on its feasible tasks. Held
+    out in turn, each family sees the option that scores higher on the others (ties keep
+    ``b``); ``a`` is adopted only when it is that option on every split and scores at least
+    ``b``'s on each family held out.
+    """
+    from ._tasks import dataset_family
+
+    common = [t for t in a.index if t in b.index and t in ceiling.index]
+    fam = pd.Series({t: dataset_family(t) for t in common})
+    fam = fam[fam != "simulated"]
+    ok = feasible(ceiling.loc[fam.index])
+    rows = []
+    for family, tasks in fam.groupby(fam).groups.items():
+        row = {"family": family, "tasks": len(tasks)}
+        for goal in ("novel_called", "known_called_novel"):
+            on = [t for t in tasks if ok.loc[t, goal]]
+            row[f"{goal}_feasible"] = len(on)
+            for name, run in (("before", b), ("after", a)):
+                v = run.loc[on, goal].dropna()
+                row[f"{goal}_{name}"] = int(meets_goal(goal, v).sum())
+        for name, run in (("before", b), ("after", a)):
+            row[f"score_{name}"] = row[f"novel_called_{name}"] + row[f"known_called_novel_{name}"]
+            row[f"all_acc_{name}"] = float(run.loc[list(tasks), "all_acc"].mean())
+        rows.append(row)
+    table = pd.DataFrame(rows).set_index("family") if rows else pd.DataFrame()
+    lines = [
+        "## Per dataset family, on feasible tasks (leave one family out)",
+        "",
+        "Tasks where the ceiling (the supervised reference) meets the goal; mean over seeds.",
+        "",
+        "| family | tasks | novel→novel ≥ 0.9 | known→novel ≤ 0.05 | all-class acc | "
+        "chosen on the others | holds here |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    adopt = not table.empty
+    for family, r in table.iterrows():
+        rest = table.drop(index=family)
+        chosen = "after" if rest["score_after"].sum() > rest["score_before"].sum() else "before"
+        holds = r["score_after"] >= r["score_before"] if chosen == "after" else None
+        adopt &= chosen == "after" and bool(holds)
+        n = {k: int(v) for k, v in r.items() if not k.startswith("all_acc")}
+        lines.append(
+            f"| {family} | {n['tasks']} "
+            f"| {n['novel_called_before']} → {n['novel_called_after']} of "
+            f"{n['novel_called_feasible']} "
+            f"| {n['known_called_novel_before']} → {n['known_called_novel_after']} of "
+            f"{n['known_called_novel_feasible']} "
+            f"| {r['all_acc_before']:.3f} → {r['all_acc_after']:.3f} | {chosen} "
+            f"| {'–' if holds is None else 'yes' if holds else 'no'} |"
+        )
+    if not table.empty:
+        tot = table[["score_before", "score_after"]].sum()
+        lines += ["", f"Goals met on feasible tasks, all real families: {tot['score_before']:.0f} "
+                  f"before, {tot['score_after']:.0f} after. Verdict: "
+                  + ("adopt (chosen with every family held out, and no family loses)." if adopt
+                     else "keep before (not chosen on every split, or a family loses).")]  # fmt: skip
+    return FamilyVerdict(table, adopt, lines)
 
 
 def _per_task(df: pd.DataFrame) -> pd.DataFrame:
