@@ -182,6 +182,10 @@ class Ablation:
         The stopping rule (:class:`orca_sc._train.StopRule`): its tolerance of cells changing head (``0``: every epoch, the paper's schedule), the steps between two checks and before the first.
     min_shared_genes
         Fewer genes shared by reference and query is an error.
+    type_alignment
+        With ``alignment="centroid"``, the query cells matched to a known type with confidence
+        get a shift of their own onto its centroid (:func:`orca_sc._align.type_groups`);
+        unmatched cells keep their batch's (a study of "ORCA core 5", not the default).
     rules
         Constants of discovery's rules, by field name of :class:`DiscoveryRules`.
 
@@ -205,6 +209,7 @@ class Ablation:
     stop_check_steps: int = 25
     stop_min_steps: int = 100
     min_shared_genes: int = 100
+    type_alignment: bool = False
     rules: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -211,6 +211,14 @@ def centroid_shift(
     return offset.astype(np.float32)
 
 
+#: the per-type alignment: a query cell is matched to a known type when its similarity to the
+#: type's centroid (after the batch's shift) is at least this quantile of the type's labelled
+#: cells' similarity to it ...
+TYPE_MATCH_QUANTILE = 0.05
+#: ... and a type is shifted on its own when at least this many query cells match it
+TYPE_MATCH_MIN_CELLS = 20
+
+
 def compute_transform(
     method: str,
     X: sp.csr_matrix,
@@ -218,14 +226,19 @@ def compute_transform(
     domain: np.ndarray,
     n_domains: int,
     n_classes: int,
-) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Per-batch ``(scale, offset)`` for ``method``, plus JSON-able details for ``uns``."""
+    per_type: bool = False,
+) -> tuple[np.ndarray, np.ndarray, dict, np.ndarray | None]:
+    """Per-batch ``(scale, offset)`` for ``method``, plus JSON-able details for ``uns``, and
+    each cell's row of them (``None``: its batch's). With ``per_type`` (``"centroid"`` only;
+    ``Ablation.type_alignment``), the query cells matched to a known type with confidence
+    (:func:`type_groups`) get a row of their own that moves them onto that type's centroid.
+    """
     if method == "none" or n_domains == 1:
         scale, offset = identity(n_domains, X.shape[1])
-        return scale, offset, {"method": method, "anchor": None}
+        return scale, offset, {"method": method, "anchor": None}, None
     if method == "standardize":
         scale, offset = standardize(X, domain, n_domains)
-        return scale, offset, {"method": method, "anchor": None}
+        return scale, offset, {"method": method, "anchor": None}, None
     if method != "centroid":
         msg = f"Unknown alignment {method!r}."
         raise ValueError(msg)
@@ -241,4 +254,58 @@ def compute_transform(
         rows = np.flatnonzero(domain == d)
         offset[d] = centroid_shift(X[rows], centroids)
         norms[d] = float(np.linalg.norm(offset[d]))
-    return scale, offset, {"method": method, "anchor": anchor, "shift_norm": norms}
+    info = {"method": method, "anchor": anchor, "shift_norm": norms}
+    if not per_type:
+        return scale, offset, info, None
+    return type_groups(X, labels, domain, anchor, centroids, scale, offset, info)
+
+
+def _centroid_similarity(X: sp.csr_matrix, offset: np.ndarray, C: np.ndarray) -> np.ndarray:
+    """Each row's centred cosine to each centroid of ``C`` after adding ``offset`` (as
+    :func:`centroid_shift` measures it, from sparse products).
+    """
+    mu = C.mean(axis=0)
+    Cc = C - mu
+    Cn = Cc / np.maximum(np.linalg.norm(Cc, axis=1, keepdims=True), 1e-12)
+    v = offset - mu
+    sq = np.asarray(X.multiply(X).sum(axis=1)).ravel()
+    norms = np.sqrt(np.maximum(sq + 2 * (X @ v) + v @ v, 1e-12))
+    return (np.asarray(X @ Cn.T) + (Cn @ v)[None, :]) / norms[:, None]
+
+
+def type_groups(X, labels, domain, anchor, centroids, scale, offset, info):
+    """The per-type alignment (a study's setting, ``Ablation.type_alignment``): in each batch
+    but the anchor, the cells whose best centroid is known type ``k`` with a similarity at
+    least the :data:`TYPE_MATCH_QUANTILE` of ``k``'s labelled cells' own are matched to ``k``;
+    where at least :data:`TYPE_MATCH_MIN_CELLS` are, they get an offset of their own that puts
+    their mean on ``k``'s centroid. The other cells keep their batch's shift. Returns the
+    extended ``(scale, offset)``, the details and each cell's row.
+    """
+    C = centroids.astype(np.float64)
+    anchor_lab = np.flatnonzero((domain == anchor) & (labels >= 0))
+    own = _centroid_similarity(X[anchor_lab], np.zeros(X.shape[1]), C)
+    y = labels[anchor_lab]
+    gate = np.array([np.quantile(own[y == k, k], TYPE_MATCH_QUANTILE) if (y == k).any()
+                     else np.inf for k in range(C.shape[0])])  # fmt: skip
+    group = np.asarray(domain, dtype=np.int64).copy()
+    scales, offsets, matched = [scale], [offset], {}
+    n_rows = scale.shape[0]
+    for d in range(scale.shape[0]):  # loop over batches and types, not cells
+        if d == anchor:
+            continue
+        rows = np.flatnonzero(domain == d)
+        sim = _centroid_similarity(X[rows], offset[d].astype(np.float64), C)
+        best = sim.argmax(axis=1)
+        ok = sim[np.arange(rows.size), best] >= gate[best]
+        for k in range(C.shape[0]):
+            cells = rows[ok & (best == k)]
+            if cells.size < TYPE_MATCH_MIN_CELLS:
+                continue
+            shift = C[k] - np.asarray(X[cells].mean(axis=0)).ravel()
+            scales.append(scale[d][None])
+            offsets.append(shift.astype(np.float32)[None])
+            group[cells] = n_rows
+            n_rows += 1
+            matched.setdefault(d, {})[int(k)] = int(cells.size)
+    info = {**info, "per_type": {"matched": matched, "quantile": TYPE_MATCH_QUANTILE}}
+    return np.concatenate(scales), np.concatenate(offsets), info, group

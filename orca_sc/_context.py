@@ -43,6 +43,17 @@ class Transform:
     scale: np.ndarray
     offset: np.ndarray
     info: dict[str, Any]
+    #: each cell's row of ``scale`` and ``offset`` where the per-type alignment gave it one of
+    #: its own (``Ablation.type_alignment``); ``None``: every cell its batch's
+    group: np.ndarray | None = None
+
+    def code(self, domain: np.ndarray) -> np.ndarray:
+        """Each cell's row of ``scale`` and ``offset`` (``domain``: the cells' batches)."""
+        return domain if self.group is None else self.group
+
+    def rows(self, sample: np.ndarray) -> Transform:
+        """The alignment of the cells ``sample`` alone."""
+        return self if self.group is None else replace(self, group=self.group[sample])
 
 
 #: the level of the test that switches discovery's PCA to Pearson residuals (``pca_input="auto"``)
@@ -72,7 +83,7 @@ def choose_pca_input(run: RunContext, residuals: PearsonResiduals) -> dict[str, 
     right = []
     for res in (None, residuals):
         z = pca_embedding(d.X, d.domain, t.scale, t.offset, n_comps=dc.n_pcs, seed=seed,
-                          rows=lab, residuals=res)  # fmt: skip
+                          rows=lab, residuals=res, group=t.group)  # fmt: skip
         nb = y[kneighbors(z, dc.n_neighbors)]  # each cell itself left out
         votes = np.stack([(nb == k).sum(axis=1) for k in range(int(y.max()) + 1)], axis=1)
         right.append(votes.argmax(axis=1) == y)
@@ -124,7 +135,7 @@ class RunContext:
         if every and n_comps in self._pca_all:
             return self._pca_all[n_comps]
         out = pca_embedding(X, domain, t.scale, t.offset, n_comps=n_comps, seed=seed, rows=rows,
-                            residuals=self.residuals())  # fmt: skip
+                            residuals=self.residuals(), group=t.group)  # fmt: skip
         if every:  # shared by its readers, which do not write to it
             self._pca_all[n_comps] = out
         return out
@@ -226,9 +237,11 @@ def run_context(
                 data.domain,
                 n_batches,
                 n_seen,
+                lab.type_alignment,
             )
         )
-    cells = CellMatrix(data.X, data.domain, transform.scale, transform.offset, device)
+    cells = CellMatrix(data.X, transform.code(data.domain), transform.scale, transform.offset,
+                       device)  # fmt: skip
     return RunContext(
         data, transform, cells, cfg, schedule(data.n_cells, cfg, lab),
         TrainRandom(cfg.seed, device), comm, lab,
@@ -259,14 +272,14 @@ def sample_context(run: RunContext, sample: np.ndarray) -> RunContext:
     configuration, processes and choice of what the PCA reads (``pca_input``, decided once, on
     whichever cells ask first: the sample's, where discovery runs on one).
     """
-    d, t, cfg = run.data, run.transform, run.config
+    d, t, cfg = run.data, run.transform.rows(sample), run.config
     data = replace(
         d, X=d.X[sample], labels=d.labels[sample], domain=d.domain[sample],
         output_rows=np.flatnonzero(np.isin(sample, d.output_rows)),
         rep=None if d.rep is None else d.rep[sample],
         totals=None if d.totals is None else d.totals[sample],
     )  # fmt: skip
-    cells = CellMatrix(data.X, data.domain, t.scale, t.offset, run.cells.device)
+    cells = CellMatrix(data.X, t.code(data.domain), t.scale, t.offset, run.cells.device)
     rand = TrainRandom(cfg.seed, cells.device)
     if not run.has_counts:  # some input is not counts anywhere in the data: no test to run
         run.pca_input_record()

@@ -166,7 +166,9 @@ def _novel_similarity(fit: Fit, head: np.ndarray, head_names: list, novel_names:
     data, t = fit.data, fit.transform
     n_seen = len(data.classes)
     groups = np.where(data.labeled, data.labels, np.where(head >= n_seen, head, -1))
-    means = aligned_group_means(data.X, groups, len(head_names), data.domain, t.scale, t.offset)
+    means = aligned_group_means(
+        data.X, groups, len(head_names), t.code(data.domain), t.scale, t.offset
+    )
     known = means[:n_seen]
     sims = profile_similarity(means[n_seen:], known, known.mean(axis=0))
     order = [head_names.index(name) - n_seen for name in novel_names]

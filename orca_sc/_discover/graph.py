@@ -101,17 +101,21 @@ def pca_embedding(
     seed: int = 0,
     rows: np.ndarray | None = None,
     residuals: PearsonResiduals | None = None,
+    group: np.ndarray | None = None,
 ) -> np.ndarray:
     """PCA of the aligned data (or of ``residuals``' Pearson residuals of the counts): fitted on
     one chunk (at most 8,192 random cells), applied chunk by chunk, so the full matrix is never
-    densified.
+    densified. ``group``: each cell's row of ``scale`` and ``offset`` where it is not its
+    batch's (the per-type alignment's groups).
     """
     from sklearn.decomposition import PCA
+
+    code = domain if group is None else group
 
     def dense(r: np.ndarray) -> np.ndarray:
         if residuals is not None:
             return residuals.rows(X, domain, r)
-        return aligned_rows(X, domain, scale, offset, r)
+        return aligned_rows(X, code, scale, offset, r)
 
     rows = np.arange(X.shape[0]) if rows is None else rows
     rng = np.random.default_rng(seed)
