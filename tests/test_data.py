@@ -151,6 +151,39 @@ def test_centroid_shift_recovers_offset_despite_novel_cells():
     assert np.abs(est - true_shift).mean() < 0.1
 
 
+def test_type_alignment_moves_each_matched_type_onto_its_centroid_and_leaves_novel_cells():
+    """The per-type alignment (a study's setting): the query cells of each known type that
+    match it with confidence, shifted by the type's own vector, land on its reference centroid;
+    the cells of a type the reference lacks keep the batch's shift.
+    """
+    from orca_sc._align import compute_transform
+
+    rng = np.random.default_rng(1)
+    g, n = 60, 120
+    centroids = rng.gamma(2.0, 1.0, (3, g))
+    ref = np.repeat(centroids, n, axis=0) + rng.normal(0, 0.2, (3 * n, g))
+    shifts = rng.normal(0, 0.1, (3, g))  # each type shifted its own way in the query
+    known = np.repeat(centroids - shifts, n, axis=0) + rng.normal(0, 0.2, (3 * n, g))
+    novel = rng.gamma(2.0, 1.0, (1, g)) * 3 + rng.normal(0, 0.2, (n, g))
+    X = sp.csr_matrix(np.maximum(np.vstack([ref, known, novel]), 0).astype(np.float32))
+    labels = np.r_[np.repeat(np.arange(3), n), -np.ones(4 * n, dtype=int)]
+    domain = np.r_[np.zeros(3 * n, dtype=int), np.ones(4 * n, dtype=int)]
+    scale, offset, info, group = compute_transform("centroid", X, labels, domain, 2, 3, True)
+    assert group is not None and scale.shape[0] == offset.shape[0] == 2 + 3
+    q_known, q_novel = np.arange(3 * n, 6 * n), np.arange(6 * n, 7 * n)
+    assert (group[: 3 * n] == 0).all() and (group[q_novel] == 1).all()  # the batch's shift
+    matched = info["per_type"]["matched"][1]
+    for k in range(3):
+        cells = q_known[k * n : (k + 1) * n]
+        own = cells[group[cells] != 1]
+        codes = np.unique(group[own])
+        assert codes.size == 1 and codes[0] >= 2 and own.size == matched[k] >= n // 2
+        moved = (X[own].toarray() * scale[codes[0]] + offset[codes[0]]).mean(axis=0)
+        np.testing.assert_allclose(moved, X[labels == k].toarray().mean(axis=0), atol=1e-4)
+    # off (the default): the batches' rows alone
+    assert compute_transform("centroid", X, labels, domain, 2, 3)[3] is None
+
+
 def test_class_centroids():
     X = sp.csr_matrix(np.array([[1.0, 0], [3.0, 2], [0, 4.0]]))
     c = class_centroids(X, np.array([0, 0, 1]), 2)
