@@ -183,9 +183,11 @@ class Ablation:
     min_shared_genes
         Fewer genes shared by reference and query is an error.
     type_alignment
-        With ``alignment="centroid"``, the query cells matched to a known type with confidence
-        get a shift of their own onto its centroid (:func:`orca_sc._align.type_groups`);
-        unmatched cells keep their batch's (a study of "ORCA core 5", not the default).
+        ``"none"`` (ORCA), or with ``alignment="centroid"`` a shift per known type onto its
+        centroid, estimated on the query cells matched to it with confidence
+        (:func:`orca_sc._align.type_groups`): ``"matched"`` moves those cells alone,
+        ``"nearest"`` every cell whose nearest centroid is the type's (a study of "ORCA core
+        5", not the default).
     rules
         Constants of discovery's rules, by field name of :class:`DiscoveryRules`.
 
@@ -209,7 +211,7 @@ class Ablation:
     stop_check_steps: int = 25
     stop_min_steps: int = 100
     min_shared_genes: int = 100
-    type_alignment: bool = False
+    type_alignment: str = "none"
     rules: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -223,6 +225,8 @@ class Ablation:
             _invalid("margin", self.margin, '"adaptive", "fixed" or "zero"')
         if self.prior not in ("data", "uniform"):
             _invalid("prior", self.prior, '"data" or "uniform"')
+        if self.type_alignment not in ("none", "matched", "nearest"):
+            _invalid("type_alignment", self.type_alignment, '"none", "matched" or "nearest"')
         if self.pair_space not in ("both", "query_pca", "pca", "embedding"):
             _invalid("pair_space", self.pair_space, '"both", "query_pca", "pca" or "embedding"')
         for name in ("fixed_margin", "lam", "eta1", "eta2", "anchor_weight"):

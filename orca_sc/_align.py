@@ -226,12 +226,13 @@ def compute_transform(
     domain: np.ndarray,
     n_domains: int,
     n_classes: int,
-    per_type: bool = False,
+    per_type: str = "none",
 ) -> tuple[np.ndarray, np.ndarray, dict, np.ndarray | None]:
     """Per-batch ``(scale, offset)`` for ``method``, plus JSON-able details for ``uns``, and
-    each cell's row of them (``None``: its batch's). With ``per_type`` (``"centroid"`` only;
-    ``Ablation.type_alignment``), the query cells matched to a known type with confidence
-    (:func:`type_groups`) get a row of their own that moves them onto that type's centroid.
+    each cell's row of them (``None``: its batch's). With ``per_type`` other than ``"none"``
+    (``"centroid"`` only; ``Ablation.type_alignment``), each known type gets a row of its own
+    that moves the query cells matched to it with confidence onto its centroid
+    (:func:`type_groups`).
     """
     if method == "none" or n_domains == 1:
         scale, offset = identity(n_domains, X.shape[1])
@@ -255,9 +256,9 @@ def compute_transform(
         offset[d] = centroid_shift(X[rows], centroids)
         norms[d] = float(np.linalg.norm(offset[d]))
     info = {"method": method, "anchor": anchor, "shift_norm": norms}
-    if not per_type:
+    if per_type == "none":
         return scale, offset, info, None
-    return type_groups(X, labels, domain, anchor, centroids, scale, offset, info)
+    return type_groups(X, labels, domain, anchor, centroids, scale, offset, info, per_type)
 
 
 def _centroid_similarity(X: sp.csr_matrix, offset: np.ndarray, C: np.ndarray) -> np.ndarray:
@@ -273,13 +274,15 @@ def _centroid_similarity(X: sp.csr_matrix, offset: np.ndarray, C: np.ndarray) ->
     return (np.asarray(X @ Cn.T) + (Cn @ v)[None, :]) / norms[:, None]
 
 
-def type_groups(X, labels, domain, anchor, centroids, scale, offset, info):
+def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which="matched"):
     """The per-type alignment (a study's setting, ``Ablation.type_alignment``): in each batch
     but the anchor, the cells whose best centroid is known type ``k`` with a similarity at
     least the :data:`TYPE_MATCH_QUANTILE` of ``k``'s labelled cells' own are matched to ``k``;
     where at least :data:`TYPE_MATCH_MIN_CELLS` are, they get an offset of their own that puts
-    their mean on ``k``'s centroid. The other cells keep their batch's shift. Returns the
-    extended ``(scale, offset)``, the details and each cell's row.
+    their mean on ``k``'s centroid. ``which="matched"``: the other cells keep their batch's
+    shift; ``"nearest"``: every cell of the batch whose nearest centroid is ``k`` takes
+    ``k``'s shift (a type is never split between two shifts). Returns the extended
+    ``(scale, offset)``, the details and each cell's row.
     """
     C = centroids.astype(np.float64)
     anchor_lab = np.flatnonzero((domain == anchor) & (labels >= 0))
@@ -304,8 +307,9 @@ def type_groups(X, labels, domain, anchor, centroids, scale, offset, info):
             shift = C[k] - np.asarray(X[cells].mean(axis=0)).ravel()
             scales.append(scale[d][None])
             offsets.append(shift.astype(np.float32)[None])
-            group[cells] = n_rows
+            group[cells if which == "matched" else rows[best == k]] = n_rows
             n_rows += 1
             matched.setdefault(d, {})[int(k)] = int(cells.size)
-    info = {**info, "per_type": {"matched": matched, "quantile": TYPE_MATCH_QUANTILE}}
+    info = {**info, "per_type": {"cells": which, "matched": matched,
+                                 "quantile": TYPE_MATCH_QUANTILE}}  # fmt: skip
     return np.concatenate(scales), np.concatenate(offsets), info, group

@@ -168,7 +168,7 @@ def test_type_alignment_moves_each_matched_type_onto_its_centroid_and_leaves_nov
     X = sp.csr_matrix(np.maximum(np.vstack([ref, known, novel]), 0).astype(np.float32))
     labels = np.r_[np.repeat(np.arange(3), n), -np.ones(4 * n, dtype=int)]
     domain = np.r_[np.zeros(3 * n, dtype=int), np.ones(4 * n, dtype=int)]
-    scale, offset, info, group = compute_transform("centroid", X, labels, domain, 2, 3, True)
+    scale, offset, info, group = compute_transform("centroid", X, labels, domain, 2, 3, "matched")
     assert group is not None and scale.shape[0] == offset.shape[0] == 2 + 3
     q_known, q_novel = np.arange(3 * n, 6 * n), np.arange(6 * n, 7 * n)
     assert (group[: 3 * n] == 0).all() and (group[q_novel] == 1).all()  # the batch's shift
