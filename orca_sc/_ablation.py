@@ -186,8 +186,9 @@ class Ablation:
         ``"none"`` (ORCA), or with ``alignment="centroid"`` a shift per known type onto its
         centroid, estimated on the query cells matched to it with confidence
         (:func:`orca_sc._align.type_groups`): ``"matched"`` moves those cells alone,
-        ``"nearest"`` every cell whose nearest centroid is the type's (a study of "ORCA core
-        5", not the default).
+        ``"nearest"`` every cell whose nearest centroid is the type's, ``"cluster"`` every cell
+        of a query cluster most of whose cells match the type (a study of "ORCA core 5", not
+        the default).
     rules
         Constants of discovery's rules, by field name of :class:`DiscoveryRules`.
 
@@ -225,8 +226,9 @@ class Ablation:
             _invalid("margin", self.margin, '"adaptive", "fixed" or "zero"')
         if self.prior not in ("data", "uniform"):
             _invalid("prior", self.prior, '"data" or "uniform"')
-        if self.type_alignment not in ("none", "matched", "nearest"):
-            _invalid("type_alignment", self.type_alignment, '"none", "matched" or "nearest"')
+        if self.type_alignment not in ("none", "matched", "nearest", "cluster"):
+            _invalid("type_alignment", self.type_alignment,
+                     '"none", "matched", "nearest" or "cluster"')  # fmt: skip
         if self.pair_space not in ("both", "query_pca", "pca", "embedding"):
             _invalid("pair_space", self.pair_space, '"both", "query_pca", "pca" or "embedding"')
         for name in ("fixed_margin", "lam", "eta1", "eta2", "anchor_weight"):

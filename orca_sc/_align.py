@@ -274,6 +274,25 @@ def _centroid_similarity(X: sp.csr_matrix, offset: np.ndarray, C: np.ndarray) ->
     return (np.asarray(X @ Cn.T) + (Cn @ v)[None, :]) / norms[:, None]
 
 
+def _cluster_types(X, domain, scale, offset, rows, best, ok) -> np.ndarray:
+    """Per cell of ``rows`` (one query batch), the known type its Leiden cluster (resolution
+    1, on the PCA of the batch after its shift) is matched to: the type to which most of the
+    cluster's cells are matched with confidence (``ok`` and ``best``), ``-1`` where no type
+    has half of them.
+    """
+    from ._discover.graph import leiden, pca_embedding
+
+    z = pca_embedding(X, domain, scale, offset, n_comps=30, seed=0, rows=rows)
+    clusters = leiden(z, 1.0, 0)
+    take = np.full(rows.size, -1)
+    for c in np.unique(clusters):  # loop over clusters, not cells
+        members = clusters == c
+        counts = np.bincount(best[members & ok], minlength=int(best.max()) + 1)
+        if counts.size and counts.max() >= 0.5 * members.sum():
+            take[members] = int(counts.argmax())
+    return take
+
+
 def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which="matched"):
     """The per-type alignment (a study's setting, ``Ablation.type_alignment``): in each batch
     but the anchor, the cells whose best centroid is known type ``k`` with a similarity at
@@ -281,7 +300,10 @@ def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which
     where at least :data:`TYPE_MATCH_MIN_CELLS` are, they get an offset of their own that puts
     their mean on ``k``'s centroid. ``which="matched"``: the other cells keep their batch's
     shift; ``"nearest"``: every cell of the batch whose nearest centroid is ``k`` takes
-    ``k``'s shift (a type is never split between two shifts). Returns the extended
+    ``k``'s shift (a type is never split between two shifts); ``"cluster"``: every cell of a
+    query cluster (Leiden on the batch's PCA) of which at least half the cells are matched to
+    ``k`` takes ``k``'s shift, estimated on those matched cells (a cluster moves whole or not
+    at all, and a cluster that matches no type stays). Returns the extended
     ``(scale, offset)``, the details and each cell's row.
     """
     C = centroids.astype(np.float64)
@@ -300,14 +322,19 @@ def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which
         sim = _centroid_similarity(X[rows], offset[d].astype(np.float64), C)
         best = sim.argmax(axis=1)
         ok = sim[np.arange(rows.size), best] >= gate[best]
+        if which == "cluster":
+            take = _cluster_types(X, domain, scale, offset, rows, best, ok)
         for k in range(C.shape[0]):
             cells = rows[ok & (best == k)]
+            if which == "cluster":
+                cells = rows[ok & (best == k) & (take == k)]
             if cells.size < TYPE_MATCH_MIN_CELLS:
                 continue
             shift = C[k] - np.asarray(X[cells].mean(axis=0)).ravel()
             scales.append(scale[d][None])
             offsets.append(shift.astype(np.float32)[None])
-            group[cells if which == "matched" else rows[best == k]] = n_rows
+            moved = {"matched": cells, "nearest": rows[best == k]}.get(which, rows[take == k])
+            group[moved] = n_rows
             n_rows += 1
             matched.setdefault(d, {})[int(k)] = int(cells.size)
     info = {**info, "per_type": {"cells": which, "matched": matched,
