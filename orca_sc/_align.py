@@ -322,19 +322,20 @@ def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which
         sim = _centroid_similarity(X[rows], offset[d].astype(np.float64), C)
         best = sim.argmax(axis=1)
         ok = sim[np.arange(rows.size), best] >= gate[best]
-        if which == "cluster":
-            take = _cluster_types(X, domain, scale, offset, rows, best, ok)
+        take = (
+            _cluster_types(X, domain, scale, offset, rows, best, ok) if which == "cluster" else best
+        )
         for k in range(C.shape[0]):
-            cells = rows[ok & (best == k)]
-            if which == "cluster":
-                cells = rows[ok & (best == k) & (take == k)]
+            cells = rows[ok & (best == k) & (take == k)]
             if cells.size < TYPE_MATCH_MIN_CELLS:
                 continue
             shift = C[k] - np.asarray(X[cells].mean(axis=0)).ravel()
             scales.append(scale[d][None])
             offsets.append(shift.astype(np.float32)[None])
-            moved = {"matched": cells, "nearest": rows[best == k]}.get(which, rows[take == k])
-            group[moved] = n_rows
+            if which == "matched":
+                group[cells] = n_rows
+            else:
+                group[rows[(best if which == "nearest" else take) == k]] = n_rows
             n_rows += 1
             matched.setdefault(d, {})[int(k)] = int(cells.size)
     info = {**info, "per_type": {"cells": which, "matched": matched,

@@ -180,6 +180,15 @@ def test_type_alignment_moves_each_matched_type_onto_its_centroid_and_leaves_nov
         assert codes.size == 1 and codes[0] >= 2 and own.size == matched[k] >= n // 2
         moved = (X[own].toarray() * scale[codes[0]] + offset[codes[0]]).mean(axis=0)
         np.testing.assert_allclose(moved, X[labels == k].toarray().mean(axis=0), atol=1e-4)
+    # "nearest": no type split between two shifts, but the novel cells move with their
+    # nearest type; "cluster": each query cluster moves whole, and the novel one stays
+    near = compute_transform("centroid", X, labels, domain, 2, 3, "nearest")[3]
+    clus = compute_transform("centroid", X, labels, domain, 2, 3, "cluster")[3]
+    for k in range(3):
+        cells = q_known[k * n : (k + 1) * n]
+        assert np.unique(near[cells]).size == 1 and np.unique(clus[cells]).size == 1
+        assert clus[cells][0] == group[cells][group[cells] != 1][0]  # the same type's row
+    assert (near[q_novel] >= 2).all() and (clus[q_novel] == 1).all()
     # off (the default): the batches' rows alone
     assert compute_transform("centroid", X, labels, domain, 2, 3)[3] is None
 

@@ -96,6 +96,10 @@ def test_a_change_is_adopted_only_where_it_pays_with_each_family_held_out():
     one = before.copy()
     one.loc["baron_mouse1_to_mouse2", "novel_called"] = 0.95
     assert not family_verdict(before, one, ceiling).adopt
+    # nor one that costs a task more than 2 points of all-class accuracy
+    cheaper = after.copy()
+    cheaper.loc["tm_kidney_to_marrow", "all_acc"] = 0.75
+    assert not family_verdict(before, cheaper, ceiling).adopt
     # where the ceiling misses a goal, the task does not count for it
     hard = ceiling.copy()
     hard.loc["tm_kidney_to_marrow", "known_called_novel"] = 0.3
