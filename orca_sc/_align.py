@@ -6,6 +6,8 @@ Every method returns an affine transform per batch, ``x' = x * scale[b] + offset
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -227,6 +229,7 @@ def compute_transform(
     n_domains: int,
     n_classes: int,
     per_type: str = "none",
+    cluster_of: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, dict, np.ndarray | None]:
     """Per-batch ``(scale, offset)`` for ``method``, plus JSON-able details for ``uns``, and
     each cell's row of them (``None``: its batch's). With ``per_type`` other than ``"none"``
@@ -258,7 +261,8 @@ def compute_transform(
     info = {"method": method, "anchor": anchor, "shift_norm": norms}
     if per_type == "none":
         return scale, offset, info, None
-    return type_groups(X, labels, domain, anchor, centroids, scale, offset, info, per_type)
+    return type_groups(X, labels, domain, anchor, centroids, scale, offset, info, per_type,
+                       cluster_of)  # fmt: skip
 
 
 def _centroid_similarity(X: sp.csr_matrix, offset: np.ndarray, C: np.ndarray) -> np.ndarray:
@@ -274,17 +278,12 @@ def _centroid_similarity(X: sp.csr_matrix, offset: np.ndarray, C: np.ndarray) ->
     return (np.asarray(X @ Cn.T) + (Cn @ v)[None, :]) / norms[:, None]
 
 
-def _cluster_types(X, domain, scale, offset, rows, best, ok) -> np.ndarray:
-    """Per cell of ``rows`` (one query batch), the known type its Leiden cluster (resolution
-    1, on the PCA of the batch after its shift) is matched to: the type to which most of the
-    cluster's cells are matched with confidence (``ok`` and ``best``), ``-1`` where no type
-    has half of them.
+def _cluster_types(clusters: np.ndarray, best: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """Per cell of one query batch, the known type its cluster (``clusters``) is matched to:
+    the type to which most of the cluster's cells are matched with confidence (``ok`` and
+    ``best``), ``-1`` where no type has half of them.
     """
-    from ._discover.graph import leiden, pca_embedding
-
-    z = pca_embedding(X, domain, scale, offset, n_comps=30, seed=0, rows=rows)
-    clusters = leiden(z, 1.0, 0)
-    take = np.full(rows.size, -1)
+    take = np.full(clusters.size, -1)
     for c in np.unique(clusters):  # loop over clusters, not cells
         members = clusters == c
         counts = np.bincount(best[members & ok], minlength=int(best.max()) + 1)
@@ -293,7 +292,8 @@ def _cluster_types(X, domain, scale, offset, rows, best, ok) -> np.ndarray:
     return take
 
 
-def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which="matched"):
+def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which="matched",
+                cluster_of=None):  # fmt: skip
     """The per-type alignment (a study's setting, ``Ablation.type_alignment``): in each batch
     but the anchor, the cells whose best centroid is known type ``k`` with a similarity at
     least the :data:`TYPE_MATCH_QUANTILE` of ``k``'s labelled cells' own are matched to ``k``;
@@ -303,7 +303,8 @@ def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which
     ``k``'s shift (a type is never split between two shifts); ``"cluster"``: every cell of a
     query cluster (Leiden on the batch's PCA) of which at least half the cells are matched to
     ``k`` takes ``k``'s shift, estimated on those matched cells (a cluster moves whole or not
-    at all, and a cluster that matches no type stays). Returns the extended
+    at all, and a cluster that matches no type stays; ``cluster_of(rows, scale, offset)``
+    gives the clusters). Returns the extended
     ``(scale, offset)``, the details and each cell's row.
     """
     C = centroids.astype(np.float64)
@@ -322,9 +323,9 @@ def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which
         sim = _centroid_similarity(X[rows], offset[d].astype(np.float64), C)
         best = sim.argmax(axis=1)
         ok = sim[np.arange(rows.size), best] >= gate[best]
-        take = (
-            _cluster_types(X, domain, scale, offset, rows, best, ok) if which == "cluster" else best
-        )
+        take = best
+        if which == "cluster":  # the batch's clusters after its shift
+            take = _cluster_types(cluster_of(rows, scale, offset), best, ok)
         for k in range(C.shape[0]):
             cells = rows[ok & (best == k) & (take == k)]
             if cells.size < TYPE_MATCH_MIN_CELLS:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,7 @@ from ._discover import (
     pca_embedding,
 )
 from ._discover.compute import kneighbors
-from ._discover.graph import pca_input_verdict
+from ._discover.graph import leiden, pca_input_verdict
 from ._dist import Comm, init_from_env, rank_device
 from ._engine import stage
 from ._integrate import integrated_space
@@ -216,6 +216,14 @@ class RunContext:
         return pca_of, info
 
 
+def _batch_clusters(X, domain, rows, scale, offset) -> np.ndarray:
+    """Leiden clusters (resolution 1) of the cells ``rows`` on the PCA of their aligned
+    expression (the per-type alignment's ``"cluster"`` study).
+    """
+    z = pca_embedding(X, domain, scale, offset, n_comps=30, seed=0, rows=rows)
+    return leiden(z, 1.0, 0)
+
+
 def run_context(
     adata: Any, reference: Any | None, labels_key: str, cfg: OrcaConfig, lab: Ablation = LAB
 ) -> RunContext:
@@ -238,6 +246,7 @@ def run_context(
                 n_batches,
                 n_seen,
                 lab.type_alignment,
+                partial(_batch_clusters, data.X, data.domain),
             )
         )
     cells = CellMatrix(data.X, transform.code(data.domain), transform.scale, transform.offset,

@@ -183,7 +183,12 @@ def test_type_alignment_moves_each_matched_type_onto_its_centroid_and_leaves_nov
     # "nearest": no type split between two shifts, but the novel cells move with their
     # nearest type; "cluster": each query cluster moves whole, and the novel one stays
     near = compute_transform("centroid", X, labels, domain, 2, 3, "nearest")[3]
-    clus = compute_transform("centroid", X, labels, domain, 2, 3, "cluster")[3]
+    from functools import partial
+
+    from orca_sc._context import _batch_clusters
+
+    clusters = partial(_batch_clusters, X, domain)  # Leiden on the batch's PCA, as a run does
+    clus = compute_transform("centroid", X, labels, domain, 2, 3, "cluster", clusters)[3]
     for k in range(3):
         cells = q_known[k * n : (k + 1) * n]
         assert np.unique(near[cells]).size == 1 and np.unique(clus[cells]).size == 1
