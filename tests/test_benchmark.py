@@ -106,6 +106,28 @@ def test_supervised_reference_predicts_each_cell_from_a_fold_that_did_not_see_it
     first = [f"{t.query.obs_names[0]}-{k}" for k in range(3)]
     obs.loc[first, TRUTH] = "only_here"
     assert "novel:only_here" not in set(ref.run(g, 0)[0])
+    # grown with pooled pairs: no draw holding a test cell's counts trains, and a test draw
+    # pooled with a training cell takes its own cell's first draw's prediction
+    from orca_sc.benchmark._methods import _grown_sources
+
+    m = B.grow_task(t, 3 * (t.reference.n_obs + t.query.n_obs), seed=0, mode="mix")
+    source, partner = _grown_sources(m)
+    n = t.query.n_obs
+    np.testing.assert_array_equal(source, np.tile(np.arange(n), 3))
+    assert (partner[:n] == -1).all() and (partner[n:] >= 0).all()
+    types = np.asarray(t.truth, dtype=object)
+    assert (types[partner[n:]] == types[source[n:]]).all()  # pooled within the type
+    from orca_sc.benchmark._methods import ceiling_folds
+
+    predicted = np.zeros(source.size, dtype=int)
+    for train, test, pooled in ceiling_folds(source, partner, 5, 0):
+        held = np.unique(source[test])
+        assert not np.isin(source[train], held).any()  # no draw of a test cell trains ...
+        assert not np.isin(partner[train], held).any()  # ... nor one pooled with it
+        assert (pooled == test & np.isin(partner, source[train])).all()
+        predicted += test
+    assert (predicted == 1).all()
+    assert len(ref.run(m, 0)[0]) == m.query.n_obs
 
 
 def test_knn_transfer_and_clustering_baselines(sim):

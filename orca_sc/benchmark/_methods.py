@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from .._config import OrcaConfig
-from ._splits import Task
+from ._splits import PARTNER, Task
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,6 @@ def ceiling_predictions(task: Task, seed: int, folds: int = 5) -> dict[str, np.n
     type of every query cell, by name.
     """
     from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import KFold
     from sklearn.neighbors import KNeighborsClassifier
     from sklearn.preprocessing import StandardScaler
 
@@ -279,15 +278,12 @@ def ceiling_predictions(task: Task, seed: int, folds: int = 5) -> dict[str, np.n
     # a few dozen steps), the kNN their distances as they are
     unit = StandardScaler().fit_transform(pcs)
     preds = {name: np.empty(truth.size, dtype=object) for name in CEILING_CLASSIFIERS}
-    # a grown task's draws of one cell go to one fold: a copy in training would leak its label
-    source = np.arange(truth.size)
-    if "grown" in task.info:
-        names = pd.Index(task.query.obs_names).str.rsplit("-", n=1).str[0]
-        source = pd.factorize(names)[0]
-    n_source = int(source.max()) + 1
-    k = int(min(folds, n_source))
-    for train_s, test_s in KFold(k, shuffle=True, random_state=seed).split(np.arange(n_source)):
-        train, test = np.isin(source, train_s), np.isin(source, test_s)  # folds, not cells
+    source, partner = _grown_sources(task)
+    first = np.full(int(source.max()) + 1, -1)
+    first[source[::-1]] = np.arange(source.size)[::-1]  # each cell's first draw
+    straddle = np.zeros(truth.size, dtype=bool)  # test draws pooled with a training cell
+    for train, test, pooled in ceiling_folds(source, partner, folds, seed):
+        straddle |= pooled
         y = truth[train]
         if np.unique(y).size < 2:  # one class in the fold: nothing to fit
             for p in preds.values():
@@ -306,7 +302,46 @@ def ceiling_predictions(task: Task, seed: int, folds: int = 5) -> dict[str, np.n
             preds["logistic (PCs)"][test] = lr.predict(unit[test])
             knn = KNeighborsClassifier(n_neighbors=int(min(15, train.sum())), weights="distance")
             preds["kNN (PCs)"][test] = knn.fit(pcs[train], y).predict(pcs[test])
+    # a test draw pooled with a training cell holds counts the classifiers trained on: it
+    # takes the prediction of its own cell's first draw (that cell alone)
+    for p in preds.values():
+        p[straddle] = p[first[source[straddle]]]
     return preds
+
+
+def ceiling_folds(source: np.ndarray, partner: np.ndarray, folds: int, seed: int):
+    """The ceiling's folds over the cells a task was grown from (``source``; ``partner``: the
+    cell a draw pooled with, ``-1`` for none; :func:`_grown_sources`): per fold the rows that
+    train (no draw that holds a test cell's counts, not even pooled into a training cell's),
+    the rows it predicts (every draw of its cells), and of those the draws pooled with a
+    training cell (which take their cell's first draw's prediction).
+    """
+    from sklearn.model_selection import KFold
+
+    n_source = int(source.max()) + 1
+    k = int(min(folds, n_source))
+    for train_s, test_s in KFold(k, shuffle=True, random_state=seed).split(np.arange(n_source)):
+        in_train = np.isin(source, train_s)  # folds, not cells
+        mate_train = (partner >= 0) & np.isin(partner, train_s)
+        test = np.isin(source, test_s)
+        yield in_train & ((partner < 0) | mate_train), test, test & mate_train
+
+
+def _grown_sources(task: Task) -> tuple[np.ndarray, np.ndarray]:
+    """Per query cell, the cell of the task before growing it was drawn from (its own index in
+    a task not grown) and the cell a ``mode="mix"`` draw pooled it with (``-1``: none), as
+    codes of the same cells: a grown task's draws of one cell go to one fold, and no draw that
+    pools a test cell trains.
+    """
+    n = task.query.n_obs
+    if "grown" not in task.info:
+        return np.arange(n), np.full(n, -1)
+    names = pd.Index(task.query.obs_names).str.rsplit("-", n=1).str[0]
+    source, cells = pd.factorize(names)
+    partner = np.full(n, -1)
+    if PARTNER in task.query.obs:
+        partner = pd.Index(cells).get_indexer(task.query.obs[PARTNER].astype(str))
+    return np.asarray(source), np.asarray(partner)
 
 
 def _inner_cv_c(x: np.ndarray, y: np.ndarray, source: np.ndarray, seed: int) -> float:

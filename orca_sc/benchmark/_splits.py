@@ -167,6 +167,11 @@ def grow_task(
     )  # fmt: skip
 
 
+#: ``obs`` column of a task grown with ``mode="mix"``: the cell each draw pooled with (its
+#: name in the task before growing; ``""`` for the first draws, the cell alone)
+PARTNER = "_partner"
+
+
 def _partners(groups: pd.Series, rng: np.random.Generator) -> np.ndarray:
     """For every row, a random row of the same group (itself only where the group has one)."""
     codes = pd.factorize(groups.astype(str), sort=True)[0]
@@ -199,21 +204,27 @@ def _redraw(adata: Any, factor: int, keep: float, rng: np.random.Generator,
         if "batch" in adata.obs:
             groups = groups + "\x00" + adata.obs["batch"].astype(str)
     Xi = sp.csr_matrix((counts, X.indices, X.indptr), shape=X.shape)
-    draws = []
+    draws, partners = [], []
+    names = np.asarray(adata.obs_names, dtype=object)
     for k in range(factor):  # loop over draws, not cells
         if groups is None or k == 0:
             d = sp.csr_matrix(
                 (rng.binomial(counts, keep).astype(np.float32), X.indices.copy(),
                  X.indptr.copy()), shape=X.shape,
             )  # fmt: skip
+            partners.append(np.full(names.size, "", dtype=object))
         else:
-            pooled = (Xi + Xi[_partners(groups, rng)]).tocsr()
+            mate = _partners(groups, rng)
+            pooled = (Xi + Xi[mate]).tocsr()
             pooled.data = rng.binomial(pooled.data, keep / 2).astype(np.float32)
             d = pooled
+            partners.append(names[mate])
         d.eliminate_zeros()  # in place: hence the copies of X's index arrays
         draws.append(d)
     obs = pd.concat([adata.obs] * factor)
     obs.index = [f"{c}-{k}" for k in range(factor) for c in adata.obs_names]
+    if groups is not None:  # the cell each draw pooled with ("" for a first draw)
+        obs[PARTNER] = np.concatenate(partners)
     for col in adata.obs.columns:  # keep categoricals with their categories
         if isinstance(adata.obs[col].dtype, pd.CategoricalDtype):
             obs[col] = pd.Categorical(obs[col].astype(object),
