@@ -507,6 +507,10 @@ def test_the_dev_suite_holds_the_hard_corners_of_the_real_data():
         assert name in specs, sorted(specs)
     t = specs["sibling_baron"].make(0)
     assert t.novel and set(t.novel).isdisjoint(t.seen)
+    # the pair's other way: the same sibling types, mouse 2 the reference
+    back = specs["sibling_baron_mouse2_to_mouse1"].make(0)
+    assert back.novel == t.novel
+    assert set(back.query.obs["batch"]) == {"mouse1"} and set(t.query.obs["batch"]) == {"mouse2"}
     none = specs["none_baron"].make(0)
     assert none.novel == [] and none.query.n_obs > 500
     tiny = specs["tiny_pbmc"].make(1)

@@ -56,7 +56,8 @@ def test_family_goals_count_each_family_apart():
 @pytest.mark.skipif(not SORTED.is_file(), reason="shared data absent")
 def test_sorted_pbmc_tasks_hide_what_the_other_side_lacks():
     specs = {s.name: s for s in dev_suite(SHARED_DATA, large=False, only=["pbmc_sorted", "3k"])}
-    assert set(specs) == {"pbmc_sorted_to_3k", "pbmc_3k_to_sorted", "sibling_pbmc_sorted"}
+    assert set(specs) == {"pbmc_sorted_to_3k", "pbmc_3k_to_sorted", "sibling_pbmc_sorted",
+                          "sibling_pbmc_sorted_to_3k", "sibling_pbmc_3k_to_sorted"}  # fmt: skip
     forward = specs["pbmc_sorted_to_3k"].make(0)
     assert forward.novel == ["DC", "FCGR3A+ Mono", "Platelet"]  # FCGR3A+ beside CD14+ Mono
     assert "CD14+ Mono" in forward.seen and forward.query.n_obs == 2638
@@ -66,6 +67,13 @@ def test_sorted_pbmc_tasks_hide_what_the_other_side_lacks():
     # the sibling split of the sorted populations hides T-cell subsets beside a known one
     assert sib.novel and all(" T " in t or t.endswith("T cell") for t in sib.novel)
     assert not set(sib.novel) & set(sib.seen)
+    # across the pair, each way: a sibling of a known type hidden besides what one side lacks
+    for name, only_there in (("sibling_pbmc_sorted_to_3k", forward.novel),
+                             ("sibling_pbmc_3k_to_sorted", back.novel)):  # fmt: skip
+        t = specs[name].make(0)
+        assert set(only_there) < set(t.novel) and "Naive CD4 T" in t.seen
+        assert "Memory CD4 T" in t.novel  # beside the naive CD4 T cells, which stay known
+        assert dataset_family(name) == "PBMC sorted / pbmc3k"
 
 
 def _per_task(values: dict) -> pd.DataFrame:

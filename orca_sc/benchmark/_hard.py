@@ -23,7 +23,17 @@ import scipy.sparse as sp
 
 from .._errors import OrcaInputError
 from ._splits import Task, _labels, batch_split
-from ._tasks import TaskSpec, _baron, _pbmc_tech, _read, read_pbmc68k, read_pbmc_sorted, read_tm
+from ._tasks import (
+    PBMC3K,
+    SORTED,
+    TaskSpec,
+    _baron,
+    _pbmc_tech,
+    _read,
+    read_pbmc68k,
+    read_pbmc_sorted,
+    read_tm,
+)
 
 #: the novel types of a sibling split: about this share of the types (at least one)
 SIBLING_SHARE = 0.25
@@ -157,6 +167,15 @@ def _sibling(load, name: str, seed: int, **kw) -> Task:
     return sibling_split(load(), "cell_type", seed=seed, name=name, **kw)
 
 
+def _pair_sibling(path: Path, name: str, reference: str, seed: int) -> Task:
+    """The sorted PBMC populations and pbmc3k on their shared vocabulary
+    (``cell_type_common``), one experiment the reference: the sibling types of the two
+    together hidden from it, besides the types only the query has.
+    """
+    return sibling_split(_read(path), "cell_type_common", batch_key="batch",
+                         reference_batch=reference, seed=seed, name=name)  # fmt: skip
+
+
 def _then(build, change, seed: int) -> Task:
     return change(build(seed))
 
@@ -192,6 +211,20 @@ def hard_tasks(data_dir: str | Path | None) -> list[TaskSpec]:
     for key, build in sib.items():
         add(f"sibling_{key}", "sibling", build,
             f"{key}: novel types = those nearest to a known type, separate query")  # fmt: skip
+    # the sibling splits across the real pairs, each way: the reference one batch of the pair
+    # less the sibling types, the query the other batch
+    if have("baron_mouse.h5ad"):
+        add("sibling_baron_mouse2_to_mouse1", "sibling",
+            partial(_sibling, partial(_read, d / "baron_mouse.h5ad"),
+                    "sibling_baron_mouse2_to_mouse1", batch_key="batch", reference_batch="mouse2"),
+            "pancreas: sibling types hidden, mouse 2 reference, mouse 1 query")  # fmt: skip
+    if have("pbmc_sorted_vs_3k.h5ad"):
+        for ref, name in ((SORTED, "sibling_pbmc_sorted_to_3k"),
+                          (PBMC3K, "sibling_pbmc_3k_to_sorted")):  # fmt: skip
+            add(name, "sibling",
+                partial(_pair_sibling, d / "pbmc_sorted_vs_3k.h5ad", name, ref),
+                f"PBMC sorted / pbmc3k on the shared vocabulary: sibling types hidden, {ref} "
+                "reference, the other experiment the query")  # fmt: skip
     few_sources = {k: sib[k] for k in ("mca", "pbmc68k") if k in sib}
     if have("baron_mouse.h5ad"):
         few_sources = {"baron": partial(_baron, d / "baron_mouse.h5ad", "baron"), **few_sources}
