@@ -104,7 +104,8 @@ orca_sc.tl.annotate(
     query, ref, labels_key=LABELS, n_genes=None, seed=SEED, progress=False, save_model=model_path
 )
 print(query.obs["orca_label"].value_counts().to_string())
-print("novel types estimated:", query.uns["orca"]["n_novel"])
+n_novel = query.uns["orca"]["n_novel"]
+print("novel types estimated:", {k: n_novel[k] for k in ("requested", "estimated", "found")})
 
 # %% [markdown]
 # ## 4. How good is it? The paper's metrics
