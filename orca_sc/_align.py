@@ -6,6 +6,7 @@ Every method returns an affine transform per batch, ``x' = x * scale[b] + offset
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -185,19 +186,11 @@ def centroid_shift(
     n_q, n_genes = Xq.shape
     K = centroids.shape[0]
     C = centroids.astype(np.float64)
-    mu = C.mean(axis=0)  # centre genes on the centroids' mean: correlation-like similarity
-    Cc = C - mu  # (K, G)
-    Cn = Cc / np.maximum(np.linalg.norm(Cc, axis=1, keepdims=True), 1e-12)
-    sq = np.asarray(Xq.multiply(Xq).sum(axis=1)).ravel()  # |x|^2 per cell
-    XCn = np.asarray(Xq @ Cn.T)  # (n_q, K)
+    similarity = _centroid_similarity(Xq, C)
     m = max(1, int(np.ceil(frac * n_q / K)))
     offset = np.zeros(n_genes)
     for _ in range(n_iter):
-        # y = x + offset - mu; cos(y, Cn_k) = (x.Cn_k + (offset-mu).Cn_k) / |y|
-        v = offset - mu
-        dots = XCn + (Cn @ v)[None, :]  # (n_q, K)
-        norms = np.sqrt(np.maximum(sq + 2 * (Xq @ v) + v @ v, 1e-12))
-        sim = dots / norms[:, None]
+        sim = similarity(offset)
         best = sim.argmax(axis=1)
         shifts = []
         for k in range(K):  # loop over classes, not cells
@@ -265,17 +258,25 @@ def compute_transform(
                        cluster_of)  # fmt: skip
 
 
-def _centroid_similarity(X: sp.csr_matrix, offset: np.ndarray, C: np.ndarray) -> np.ndarray:
-    """Each row's centred cosine to each centroid of ``C`` after adding ``offset`` (as
-    :func:`centroid_shift` measures it, from sparse products).
+def _centroid_similarity(X: sp.csr_matrix, C: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """Each row's similarity to each centroid of ``C`` (float64), as a function of an offset
+    added to the rows: the cosine to the centroids centred on their mean (correlation-like),
+    from sparse products computed once, so the rows are never densified.
     """
-    mu = C.mean(axis=0)
-    Cc = C - mu
+    mu = C.mean(axis=0)  # centre genes on the centroids' mean: correlation-like similarity
+    Cc = C - mu  # (K, G)
     Cn = Cc / np.maximum(np.linalg.norm(Cc, axis=1, keepdims=True), 1e-12)
-    v = offset - mu
-    sq = np.asarray(X.multiply(X).sum(axis=1)).ravel()
-    norms = np.sqrt(np.maximum(sq + 2 * (X @ v) + v @ v, 1e-12))
-    return (np.asarray(X @ Cn.T) + (Cn @ v)[None, :]) / norms[:, None]
+    sq = np.asarray(X.multiply(X).sum(axis=1)).ravel()  # |x|^2 per cell
+    XCn = np.asarray(X @ Cn.T)  # (n, K)
+
+    def at(offset: np.ndarray) -> np.ndarray:
+        # y = x + offset - mu; cos(y, Cn_k) = (x.Cn_k + (offset-mu).Cn_k) / |y|
+        v = offset - mu
+        dots = XCn + (Cn @ v)[None, :]  # (n, K)
+        norms = np.sqrt(np.maximum(sq + 2 * (X @ v) + v @ v, 1e-12))
+        return dots / norms[:, None]
+
+    return at
 
 
 def _cluster_types(clusters: np.ndarray, best: np.ndarray, ok: np.ndarray) -> np.ndarray:
@@ -309,7 +310,7 @@ def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which
     """
     C = centroids.astype(np.float64)
     anchor_lab = np.flatnonzero((domain == anchor) & (labels >= 0))
-    own = _centroid_similarity(X[anchor_lab], np.zeros(X.shape[1]), C)
+    own = _centroid_similarity(X[anchor_lab], C)(np.zeros(X.shape[1]))
     y = labels[anchor_lab]
     gate = np.array([np.quantile(own[y == k, k], TYPE_MATCH_QUANTILE) if (y == k).any()
                      else np.inf for k in range(C.shape[0])])  # fmt: skip
@@ -320,7 +321,7 @@ def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which
         if d == anchor:
             continue
         rows = np.flatnonzero(domain == d)
-        sim = _centroid_similarity(X[rows], offset[d].astype(np.float64), C)
+        sim = _centroid_similarity(X[rows], C)(offset[d].astype(np.float64))
         best = sim.argmax(axis=1)
         ok = sim[np.arange(rows.size), best] >= gate[best]
         take = best
@@ -333,10 +334,8 @@ def type_groups(X, labels, domain, anchor, centroids, scale, offset, info, which
             shift = C[k] - np.asarray(X[cells].mean(axis=0)).ravel()
             scales.append(scale[d][None])
             offsets.append(shift.astype(np.float32)[None])
-            if which == "matched":
-                group[cells] = n_rows
-            else:
-                group[rows[(best if which == "nearest" else take) == k]] = n_rows
+            # "nearest": every cell its nearest centroid (take is best); "cluster": its cluster's
+            group[cells if which == "matched" else rows[take == k]] = n_rows
             n_rows += 1
             matched.setdefault(d, {})[int(k)] = int(cells.size)
     info = {**info, "per_type": {"cells": which, "matched": matched,
