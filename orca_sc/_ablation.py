@@ -36,6 +36,22 @@ MAX_MARGIN = 0.5
 DEFAULT_EPOCHS = 20
 
 
+#: the parts of discovery's rules an ablation can switch off (``DiscoveryRules.drop``), and what
+#: each does without them; the others are switched off by a constant (``anchor_epochs=0``,
+#: ``anchor_supported=False``, ``min_novel_cells=1``) or a user's option (``pca_input="log"``,
+#: ``merge_threshold=None``, ``cross_fit_threshold="none"``)
+DROPPABLE = {
+    "label_support": "no unlabelled cell is supported by, or a desert of, labelled neighbours",
+    "resolution": "candidate clusters at fallback_resolution, not calibrated on the labels",
+    "query_shift": "a query batch's thresholds and p-values not moved by its shift of a type",
+    "share_vote": "a query cluster is a candidate by the contrast vote alone",
+    "share_test": "the share vote takes a cluster without testing its p-values",
+    "contrast_vote": "a query cluster is a candidate by the share vote alone",
+    "contrast_bar": "the contrast vote without the labelled pieces' bar",
+    "significant_anchors": "a query candidate's cells anchored only where they are core",
+}
+
+
 @dataclass(frozen=True)
 class DiscoveryRules(DiscoveryConfig):
     """What discovery's rules read: the user's :class:`~orca_sc.DiscoveryConfig` and the rules'
@@ -77,6 +93,9 @@ class DiscoveryRules(DiscoveryConfig):
         Anchor each unlabelled cell the labels around it support to the seen head that claims it.
     min_novel_cells
         A novel head that wins fewer unlabelled cells than this is no cluster (pruned).
+    drop
+        Parts of discovery's rules switched off, by name (:data:`DROPPABLE`): the rule-by-rule
+        ablation (``--set drop=share_vote``; several: ``--set "drop=('share_vote', 'contrast_bar')"``).
     no_warmup_rel_threshold
         Without a warm-up: clusters with a labelled share below this times the overall one count as novel.
 
@@ -105,9 +124,15 @@ class DiscoveryRules(DiscoveryConfig):
     anchor_supported: bool = True
     min_novel_cells: int = 5
     no_warmup_rel_threshold: float = 0.1
+    drop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        drop = (self.drop,) if isinstance(self.drop, str) else self.drop
+        object.__setattr__(self, "drop", tuple(drop))
+        unknown = sorted(set(self.drop) - set(DROPPABLE))
+        if unknown:
+            _invalid("drop", self.drop, f"names of rule parts, of {sorted(DROPPABLE)}")
         object.__setattr__(self, "resolution_grid", tuple(self.resolution_grid))
         if not self.resolution_grid or not all(
             _is_finite(r) and r > 0 for r in self.resolution_grid

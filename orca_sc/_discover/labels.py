@@ -200,6 +200,12 @@ class _LabelEvidence:
     neighbours: dict[int, int]
 
 
+def no_label_evidence(n_cells: int) -> _LabelEvidence:
+    """Label evidence that says nothing (the ablation ``drop="label_support"``)."""
+    none = np.zeros(n_cells, dtype=bool)
+    return _LabelEvidence(none, none.copy(), [], none.copy(), {})
+
+
 def _label_evidence(lab, domain, pca_cells, cfg: DiscoveryRules, domain_names) -> _LabelEvidence:
     # unlabelled cells among labelled ones (same batch) are of known types, however poorly the
     # seen heads score them

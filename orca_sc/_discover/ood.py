@@ -111,6 +111,7 @@ def type_thresholds(
     domain: np.ndarray,
     threshold: float,
     alpha: float,
+    shift_query: bool = True,
 ) -> tuple[np.ndarray, dict]:
     """Every cell's out-of-distribution threshold, raised where its known type's own unseen
     cells say so and lowered where a query batch shifts the type (Mondrian conformal).
@@ -127,7 +128,8 @@ def type_thresholds(
     of the :data:`SHIFT_QUANTILE` quantiles of the batch's cosines and the held-out ones (never
     raised by it), so that known cells of a shifted type are not called novel. Where the data
     cannot support a quantile (fewer than ``1 / alpha`` held-out cells of the type, or of the
-    type's cells in a query batch), that part is skipped. Returns the thresholds and their
+    type's cells in a query batch), that part is skipped; ``shift_query=False`` skips the shift
+    (an ablation). Returns the thresholds and their
     record: the quantile per type (``None``: too few cells), the shift per query batch and
     type, and per query batch and type the cells the shift keeps known that the in-sample
     threshold calls out of distribution (``shift_kept``; :func:`shift_notes`).
@@ -148,7 +150,7 @@ def type_thresholds(
         per_type[t] = q
         claimed = predicted == t
         thr[claimed & ~query] = q = max(q, threshold)
-        for d in shift:  # loop over query batches
+        for d in shift if shift_query else ():  # loop over query batches
             cells = claimed & query & (domain == d)
             if cells.sum() < min_cells:
                 continue

@@ -341,6 +341,7 @@ def query_ood_clusters(
     bar: ContrastBar | None = None,
     share_level: float | None = None,
     max_cells: int | None = _DEFAULTS.query_vote_cells,
+    drop: tuple[str, ...] = (),
 ) -> list[np.ndarray]:
     """Candidate novel clusters of batches without labelled cells, decided per cluster.
 
@@ -373,7 +374,9 @@ def query_ood_clusters(
     ``max_cells``, a larger batch is clustered on a sample of that many cells
     (:func:`sampled_clusters`) and each cluster is voted on its sample cells alone: every vote
     then reads as many cells as in a batch of ``max_cells``, and a candidate holds all the cells
-    its cluster took. Returns the index arrays of the candidates' cells.
+    its cluster took. ``drop`` (an ablation) switches off ``"share_vote"`` or
+    ``"contrast_vote"`` (the conformal and contrast votes). Returns the index arrays of the
+    candidates' cells.
     """
     if pvalues is not None and claimed is None:
         msg = "the contrast vote compares a cluster with its type's cells: pass claimed too"
@@ -411,11 +414,13 @@ def query_ood_clusters(
             frac = ood[m].mean()
             # the share vote: enough of its cells below their threshold ...
             share = bool(frac >= min_fraction or frac >= min_enrichment * overall)
+            share = share and "share_vote" not in drop
             # ... and, where they have p-values, scoring below the labelled cells as a whole
             share_p = below_half.get(c) if share and share_level is not None else None
             share_test = share_p is None or share_p <= share_level
             # the conformal vote: its cells score below the labelled cells of their type
             conformal_low, mean = conformal.get(c, False), means.get(c)
+            conformal_low = conformal_low and "contrast_vote" not in drop
             # the contrast: below that type's cells in the batch's other clusters, and further
             # below them than any labelled piece sits below its type (the bar)
             contrast_low = bar_low = True
@@ -453,8 +458,9 @@ def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryRules, seed: 
         min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
         resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
         pvalues=pvalues, min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes,
-        claimed=claimed, bar=bar, share_level=cfg.novelty_alpha,
-        max_cells=cfg.query_vote_cells,
+        claimed=claimed, bar=bar,
+        share_level=None if "share_test" in cfg.drop else cfg.novelty_alpha,
+        max_cells=cfg.query_vote_cells, drop=cfg.drop,
     )  # fmt: skip
 
 

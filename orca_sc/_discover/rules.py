@@ -24,7 +24,7 @@ import numpy as np
 from .._ablation import DiscoveryRules
 from .graph import resolve_resolution
 from .heads import _novel_heads, significant_cells
-from .labels import _label_evidence, query_batch_cells
+from .labels import _label_evidence, no_label_evidence, query_batch_cells
 from .ood import cells_for_quantile, ood_clusters, ood_threshold, shift_notes, type_thresholds
 from .query import (
     QUERY_LEVEL,
@@ -139,6 +139,9 @@ class LabelSupport(Rule):
     name = "label support and deserts"
 
     def run(self, e: DiscoveryState) -> None:
+        if "label_support" in e.cfg.drop:
+            e.label = no_label_evidence(e.lab.size)
+            return
         e.label = _label_evidence(e.lab, e.domain, e.pca_cells, e.cfg, e.domain_names)
 
     def record(self, e: DiscoveryState) -> dict[str, Any]:
@@ -161,7 +164,7 @@ class Resolution(Rule):
     name = "resolution"
 
     def run(self, e: DiscoveryState) -> None:
-        calibrate = bool((~e.lab & ~e.query).any())
+        calibrate = bool((~e.lab & ~e.query).any()) and "resolution" not in e.cfg.drop
         e.resolution, e.resolution_scores = resolve_resolution(
             e.labels, e.pca_cells, seed=e.seed, calibrate=calibrate, cfg=e.cfg
         )
@@ -192,7 +195,7 @@ class Threshold(Rule):
             return
         e.cell_threshold, e.shift = type_thresholds(
             e.maxcos, e.predicted, e.labels, e.held_out, e.query, e.domain, e.threshold,
-            e.cfg.novelty_alpha,
+            e.cfg.novelty_alpha, shift_query="query_shift" not in e.cfg.drop,
         )  # fmt: skip
         e.notes += shift_notes(
             e.shift, e.domain_names, e.class_names, cells_for_quantile(e.cfg.novelty_alpha)
@@ -267,7 +270,8 @@ class QueryVote(Rule):
             return
         cfg, claimed = e.cfg, e.predicted if e.contrast else None
         ood = e.maxcos < (e.threshold if e.cell_threshold is None else e.cell_threshold)
-        if claimed is not None:  # how far below its type a piece of a labelled type sits
+        if claimed is not None and "contrast_bar" not in cfg.drop:
+            # how far below its type a piece of a labelled type sits
             spread = type_spread(e.held_out, e.labels, e.seen_similarity.shape[1])
             rows = np.flatnonzero(e.lab & np.isfinite(e.held_out))
             e.bar = ContrastBar(e.maxcos, spread, reference_gaps(
@@ -299,6 +303,7 @@ class QueryVote(Rule):
         out: dict[str, Any] = {"query_votes": votes}
         if e.contrast:
             votes["contrast_auc"], votes["gap"] = column("contrast_auc"), column("gap")
+        if e.bar is not None:
             out["contrast_bar"] = {
                 "labelled_pieces": int(e.bar.gaps.size),
                 "max_gap": float(e.bar.gaps[-1]) if e.bar.gaps.size else None,
@@ -355,7 +360,7 @@ class Anchors(Rule):
         sizes = e.sizes
         k = len(sizes) if e.n_novel == "auto" else int(e.n_novel)
         significant = None
-        if e.pvalues is not None:
+        if e.pvalues is not None and "significant_anchors" not in e.cfg.drop:
             significant = significant_cells(e.pvalues, e.query, e.cfg.novelty_alpha)
         e.heads = _novel_heads(e.embedding, e.seen_similarity, e.labels, e.assign,
                                (k, len(sizes)), e.pca_cells, e.cfg, e.seed, significant)  # fmt: skip
