@@ -116,3 +116,31 @@ def test_a_change_is_adopted_only_where_it_pays_with_each_family_held_out():
         family_verdict(before, costs, hard).table.loc["Tabula Muris", "known_called_novel_feasible"]
         == 0
     )
+
+
+def test_a_rule_stays_where_a_family_needs_it_and_goes_where_none_does():
+    from orca_sc.benchmark._compare import rule_need
+
+    tasks = ["baron_mouse1_to_mouse2", "few5_mca", "tm_kidney_to_marrow", "sim_base"]
+    ceiling = _per_task({t: (0.95, 0.01) for t in tasks})
+    with_rule = _per_task({t: (0.95, 0.01) for t in tasks})
+    # without it nothing real moves (the simulation, which never counts, does): it goes
+    inert = with_rule.copy()
+    inert.loc["sim_base", "novel_called"] = 0.1
+    need = rule_need(with_rule, inert, ceiling)
+    assert need.goes and need.needed_by == () and "simulated" not in need.table.index
+    # one family loses a goal without it: that family needs it, however much the others gain
+    costs = with_rule.copy()
+    costs.loc["few5_mca", "known_called_novel"] = 0.2
+    costs.loc["baron_mouse1_to_mouse2", "all_acc"] = 0.9
+    need = rule_need(with_rule, costs, ceiling)
+    assert not need.goes and need.needed_by == ("MCA bladder",)
+    assert need.gains_without == ("Baron pancreas",)
+    assert need.table.loc["MCA bladder", "goals_without"] == 1
+    # a task more than 2 points of all-class accuracy lower without it is a need too
+    lower = with_rule.copy()
+    lower.loc["tm_kidney_to_marrow", "all_acc"] = 0.75
+    assert rule_need(with_rule, lower, ceiling).needed_by == ("Tabula Muris",)
+    # read on the tasks both runs hold: an ablation run on one family's tasks judges that one
+    part = rule_need(with_rule, lower.loc[["tm_kidney_to_marrow"]], ceiling)
+    assert list(part.table.index) == ["Tabula Muris"]

@@ -75,6 +75,26 @@ def test_a_rule_left_out_of_the_list_decides_nothing():
     assert "; in batches without labels" not in record["method"]
 
 
+def test_each_droppable_part_of_a_rule_is_switched_off_by_name():
+    cells, truth = _two_batches()
+    whole = run_rules(_evidence(cells))
+    # without the share vote, no cluster is taken by it; without both votes, none is taken
+    e = _evidence(cells, DiscoveryRules(drop="share_vote"))
+    record = run_rules(e)
+    assert not any(record["query_votes"]["share"]) and sum(whole["query_votes"]["share"]) >= 1
+    e = _evidence(cells, DiscoveryRules(drop=("share_vote", "contrast_vote")))
+    assert run_rules(e)["query_votes"]["candidate"] == [False] * len(e.votes) and e.groups == []
+    # the resolution falls back to the constant, not calibrated on the labels
+    rules = DiscoveryRules(drop="resolution", fallback_resolution=0.25)
+    assert run_rules(_evidence(cells, rules))["resolution"] == 0.25
+    # no label evidence: nothing supported, no desert
+    record = run_rules(_evidence(cells, DiscoveryRules(drop="label_support")))
+    assert record["n_supported_by_labels"] == 0 and record["n_label_deserts"] == 0
+    with pytest.raises(ValueError, match="names of rule parts"):
+        DiscoveryRules(drop="threshold")
+    assert Ablation.of(drop="share_vote").rules == {"drop": "share_vote"}
+
+
 def test_every_rule_says_what_it_does_and_every_other_stage_names_a_real_function():
     names = [rule.name for rule in RULES]
     assert len(set(names)) == len(names) and all(names)

@@ -213,6 +213,43 @@ def family_verdict(b: pd.DataFrame, a: pd.DataFrame, ceiling: pd.DataFrame) -> F
     return FamilyVerdict(table, adopt, lines)
 
 
+@dataclass(frozen=True)
+class RuleNeed:
+    """Which real dataset families need a rule: per family (``table``), the detection goals met
+    on feasible tasks with and without it and the tasks whose all-class accuracy is more than
+    :data:`ACC_DROP` lower (``lower``) or higher (``higher``) without it; ``needed_by``: the
+    families that lose a goal or a task's accuracy without it (none: the rule goes).
+    """
+
+    table: pd.DataFrame
+    needed_by: tuple[str, ...]
+    gains_without: tuple[str, ...]
+
+    @property
+    def goes(self) -> bool:
+        """No real family needs the rule."""
+        return not self.needed_by
+
+
+def rule_need(with_rule: pd.DataFrame, without: pd.DataFrame, ceiling: pd.DataFrame) -> RuleNeed:
+    """The rule-by-rule ablation's judgement (per-task means over seeds, :func:`_per_task`):
+    a rule stays where some real family needs it (without it, fewer detection goals met on that
+    family's feasible tasks, or a task's all-class accuracy more than :data:`ACC_DROP` lower),
+    and goes where none does. Read on the tasks the three runs share (an ablation that cannot
+    act on a task, e.g. a query-batch rule on a one-batch task, leaves it out).
+    """
+    table = family_verdict(with_rule, without, ceiling).table
+    if table.empty:
+        return RuleNeed(table, (), ())
+    t = table.rename(columns={"score_before": "goals_with", "score_after": "goals_without",
+                              "acc_drops": "lower"})  # fmt: skip
+    t["higher"] = family_verdict(without, with_rule, ceiling).table["acc_drops"]
+    t = t[["tasks", "goals_with", "goals_without", "lower", "higher"]]
+    need = (t["goals_without"] < t["goals_with"]) | (t["lower"] > 0)
+    gain = (t["goals_without"] > t["goals_with"]) | (t["higher"] > 0)
+    return RuleNeed(t, tuple(t.index[need]), tuple(t.index[gain]))
+
+
 def _per_task(df: pd.DataFrame) -> pd.DataFrame:
     g = df.groupby("task", sort=False)
     out = g[[*METRICS, "exact", "seconds", "novel_true"]].mean()
