@@ -69,7 +69,11 @@ def report(defaults: pd.DataFrame, ceiling: pd.DataFrame, ablations: dict[str, p
                        "|---|---|---|---|---|"]  # fmt: skip
             for x in moved:
                 b, a = base.loc[x], off.loc[x]
-                nn = "–" if pd.isna(b.novel_called) else f"{b.novel_called:.3f} → {a.novel_called:.3f}"
+                nn = (
+                    "–"
+                    if pd.isna(b.novel_called)
+                    else f"{b.novel_called:.3f} → {a.novel_called:.3f}"
+                )
                 detail.append(
                     f"| {x} | {nn} | {b.known_called_novel:.3f} → {a.known_called_novel:.3f} "
                     f"| {b.novel_found:.1f} → {a.novel_found:.1f} | {b.all_acc:.3f} → "
