@@ -118,29 +118,50 @@ def test_a_change_is_adopted_only_where_it_pays_with_each_family_held_out():
     )
 
 
+def _runs(values: dict, seeds=(0, 1, 2), jitter=0.0) -> pd.DataFrame:
+    """Per-seed ORCA rows (``task, seed`` and the figures), each seed ``jitter`` apart."""
+    rows = [{"task": t, "seed": s, "novel_called": nn + jitter * s, "known_called_novel": kn,
+             "all_acc": 0.8, "seen_acc": 0.8, "novel_acc": 0.8, "novel_found": 1,
+             "novel_true": 1, "seconds": 1.0, "exact": 1.0}
+            for t, (nn, kn) in values.items() for s in seeds]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 def test_a_rule_stays_where_a_family_needs_it_and_goes_where_none_does():
     from orca_sc.benchmark._compare import rule_need
 
     tasks = ["baron_mouse1_to_mouse2", "few5_mca", "tm_kidney_to_marrow", "sim_base"]
     ceiling = _per_task({t: (0.95, 0.01) for t in tasks})
-    with_rule = _per_task({t: (0.95, 0.01) for t in tasks})
+    with_rule = _runs({t: (0.95, 0.01) for t in tasks})
     # without it nothing real moves (the simulation, which never counts, does): it goes
     inert = with_rule.copy()
-    inert.loc["sim_base", "novel_called"] = 0.1
+    inert.loc[inert.task == "sim_base", "novel_called"] = 0.1
     need = rule_need(with_rule, inert, ceiling)
     assert need.goes and need.needed_by == () and "simulated" not in need.table.index
+    # the simulations are judged apart, as one family
+    assert rule_need(with_rule, inert, ceiling, simulated=True).needed_by == ("simulated",)
     # one family loses a goal without it: that family needs it, however much the others gain
     costs = with_rule.copy()
-    costs.loc["few5_mca", "known_called_novel"] = 0.2
-    costs.loc["baron_mouse1_to_mouse2", "all_acc"] = 0.9
+    costs.loc[costs.task == "few5_mca", "known_called_novel"] = 0.2
+    costs.loc[costs.task == "baron_mouse1_to_mouse2", "all_acc"] = 0.9
     need = rule_need(with_rule, costs, ceiling)
     assert not need.goes and need.needed_by == ("MCA bladder",)
     assert need.gains_without == ("Baron pancreas",)
     assert need.table.loc["MCA bladder", "goals_without"] == 1
     # a task more than 2 points of all-class accuracy lower without it is a need too
     lower = with_rule.copy()
-    lower.loc["tm_kidney_to_marrow", "all_acc"] = 0.75
+    lower.loc[lower.task == "tm_kidney_to_marrow", "all_acc"] = 0.75
     assert rule_need(with_rule, lower, ceiling).needed_by == ("Tabula Muris",)
+    # so is a detection figure worse beyond noise though no goal is lost (0.95 -> 0.91) ...
+    worse = with_rule.copy()
+    worse.loc[worse.task == "baron_mouse1_to_mouse2", "novel_called"] = 0.91
+    need = rule_need(with_rule, worse, ceiling)
+    assert need.needed_by == ("Baron pancreas",) and need.table["worse"].sum() == 1
+    # ... but not one within two paired standard errors of the seeds' spread
+    base = _runs({t: (0.5, 0.01) for t in tasks}, jitter=0.2)
+    noisy = _runs({t: (0.5, 0.01) for t in tasks}, jitter=0.2)
+    noisy.loc[noisy.task == "few5_mca", "novel_called"] -= [0.0, 0.1, -0.02]
+    assert rule_need(base, noisy, ceiling).goes
     # read on the tasks both runs hold: an ablation run on one family's tasks judges that one
-    part = rule_need(with_rule, lower.loc[["tm_kidney_to_marrow"]], ceiling)
+    part = rule_need(with_rule, lower[lower.task == "tm_kidney_to_marrow"], ceiling)
     assert list(part.table.index) == ["Tabula Muris"]

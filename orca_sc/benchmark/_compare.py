@@ -141,7 +141,9 @@ def feasible(ceiling: pd.DataFrame) -> pd.DataFrame:
     }, index=ceiling.index)  # fmt: skip
 
 
-def family_verdict(b: pd.DataFrame, a: pd.DataFrame, ceiling: pd.DataFrame) -> FamilyVerdict:
+def family_verdict(
+    b: pd.DataFrame, a: pd.DataFrame, ceiling: pd.DataFrame, *, simulated: bool = False
+) -> FamilyVerdict:
     """The leave-one-family-out judgement of ``a`` (after) against ``b`` (before), per-task
     means over seeds (:func:`_per_task`), on the tasks of the real dataset families
     (:func:`~._tasks.dataset_family`; the simulations are left out) where ``ceiling`` meets a
@@ -149,13 +151,14 @@ def family_verdict(b: pd.DataFrame, a: pd.DataFrame, ceiling: pd.DataFrame) -> F
     out in turn, each family sees the option that scores higher on the others (ties keep
     ``b``); ``a`` is adopted only when it is that option on every split and, on each family
     held out, scores at least ``b``'s with no task's all-class accuracy more than
-    :data:`ACC_DROP` below ``b``'s.
+    :data:`ACC_DROP` below ``b``'s. ``simulated``: the simulations' tasks alone, as one
+    family.
     """
     from ._tasks import dataset_family
 
     common = [t for t in a.index if t in b.index and t in ceiling.index]
     fam = pd.Series({t: dataset_family(t) for t in common})
-    fam = fam[fam != "simulated"]
+    fam = fam[(fam == "simulated") == simulated]
     ok = feasible(ceiling.loc[fam.index])
     rows = []
     for family, tasks in fam.groupby(fam).groups.items():
@@ -216,9 +219,12 @@ def family_verdict(b: pd.DataFrame, a: pd.DataFrame, ceiling: pd.DataFrame) -> F
 @dataclass(frozen=True)
 class RuleNeed:
     """Which real dataset families need a rule: per family (``table``), the detection goals met
-    on feasible tasks with and without it and the tasks whose all-class accuracy is more than
-    :data:`ACC_DROP` lower (``lower``) or higher (``higher``) without it; ``needed_by``: the
-    families that lose a goal or a task's accuracy without it (none: the rule goes).
+    on feasible tasks with and without it, the tasks whose all-class accuracy is more than
+    :data:`ACC_DROP` lower (``lower``) or higher (``higher``) without it, and those whose
+    novel→novel falls or known→novel rises by more than :data:`DETECTION_DROP` and beyond two
+    paired standard errors over the seeds without it (``worse``; ``better``: the reverse);
+    ``needed_by``: the families that lose a goal, a task's accuracy or a detection figure
+    without it (none: the rule goes), ``gains_without``: those that gain one.
     """
 
     table: pd.DataFrame
@@ -231,22 +237,63 @@ class RuleNeed:
         return not self.needed_by
 
 
-def rule_need(with_rule: pd.DataFrame, without: pd.DataFrame, ceiling: pd.DataFrame) -> RuleNeed:
-    """The rule-by-rule ablation's judgement (per-task means over seeds, :func:`_per_task`):
-    a rule stays where some real family needs it (without it, fewer detection goals met on that
-    family's feasible tasks, or a task's all-class accuracy more than :data:`ACC_DROP` lower),
-    and goes where none does. Read on the tasks the three runs share (an ablation that cannot
-    act on a task, e.g. a query-batch rule on a one-batch task, leaves it out).
+#: a detection figure that moves more than this (and beyond noise) is a family's loss or gain
+DETECTION_DROP = 0.02
+
+
+def _detection_moves(with_rule: pd.DataFrame, without: pd.DataFrame) -> pd.DataFrame:
+    """Per task, whether a detection figure is worse / better without the rule: novel→novel
+    lower or known→novel higher by more than :data:`DETECTION_DROP` and by more than two
+    paired standard errors (the runs share seeds, so they share splits).
     """
-    table = family_verdict(with_rule, without, ceiling).table
+    m = with_rule.merge(without, on=["task", "seed"], suffixes=("_w", "_o"))
+    rows = {}
+    for task, g in m.groupby("task", sort=False):
+        worse = better = False
+        for metric, sign in (("novel_called", -1), ("known_called_novel", +1)):
+            d = sign * (g[f"{metric}_o"] - g[f"{metric}_w"]).dropna()  # > 0: worse without
+            if d.size < 2:
+                continue
+            se = float(d.std(ddof=1) / np.sqrt(d.size))
+            beyond = abs(float(d.mean())) > max(DETECTION_DROP, 2 * se)
+            worse |= beyond and d.mean() > 0
+            better |= beyond and d.mean() < 0
+        rows[task] = {"worse": worse, "better": better}
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def rule_need(
+    with_rule: pd.DataFrame,
+    without: pd.DataFrame,
+    ceiling: pd.DataFrame,
+    *,
+    simulated: bool = False,
+) -> RuleNeed:
+    """The rule-by-rule ablation's judgement from two runs' ORCA rows (:func:`orca_runs`: the
+    same tasks and seeds, with and without the rule) and the ceiling's per-task means
+    (:func:`_per_task`): a rule stays where some real family needs it (without it, fewer
+    detection goals met on the family's feasible tasks, a task's all-class accuracy more than
+    :data:`ACC_DROP` lower, or a detection figure worse beyond noise: :func:`_detection_moves`)
+    and goes where none does. Read on the tasks the runs share (an ablation that cannot act on
+    a task, e.g. a query-batch rule on a one-batch task, is run without it). ``simulated``:
+    the simulations' tasks instead, as one family.
+    """
+    w, o = _per_task(with_rule), _per_task(without)
+    table = family_verdict(w, o, ceiling, simulated=simulated).table
     if table.empty:
         return RuleNeed(table, (), ())
     t = table.rename(columns={"score_before": "goals_with", "score_after": "goals_without",
                               "acc_drops": "lower"})  # fmt: skip
-    t["higher"] = family_verdict(without, with_rule, ceiling).table["acc_drops"]
-    t = t[["tasks", "goals_with", "goals_without", "lower", "higher"]]
-    need = (t["goals_without"] < t["goals_with"]) | (t["lower"] > 0)
-    gain = (t["goals_without"] > t["goals_with"]) | (t["higher"] > 0)
+    t["higher"] = family_verdict(o, w, ceiling, simulated=simulated).table["acc_drops"]
+    moves = _detection_moves(with_rule, without)
+    from ._tasks import dataset_family
+
+    fam = pd.Series({x: dataset_family(x) for x in moves.index})
+    for col in ("worse", "better"):
+        t[col] = moves[col].groupby(fam).sum().reindex(t.index, fill_value=0).astype(int)
+    t = t[["tasks", "goals_with", "goals_without", "lower", "higher", "worse", "better"]]
+    need = (t["goals_without"] < t["goals_with"]) | (t["lower"] > 0) | (t["worse"] > 0)
+    gain = (t["goals_without"] > t["goals_with"]) | (t["higher"] > 0) | (t["better"] > 0)
     return RuleNeed(t, tuple(t.index[need]), tuple(t.index[gain]))
 
 
