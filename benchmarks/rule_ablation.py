@@ -5,12 +5,13 @@
 ``DEFAULTS.csv``: ``runs.csv`` of ``orca-sc benchmark --suite dev --method ORCA`` with the
 defaults; each ``NAME=RUNS.csv`` the same tasks and seeds (or those the rule can act on) with
 one rule switched off (``--set drop=NAME``, ``--set anchor_epochs=0``, ...); ``CEILING.csv`` the
-supervised reference's runs. With ``--simulated`` (and ``none`` for the ceiling) the simulations
-are judged instead, as one family, every task counted as feasible. Prints, per rule, the families that need it (without it: fewer
-detection goals met on their feasible tasks, or a task's all-class accuracy more than 2 points
-lower: :func:`orca_sc.benchmark._compare.rule_need`), the families that gain without it, and
-per family the goals with / without and the tasks lower / higher; then per rule and task the
-figures that moved.
+supervised reference's runs. With ``--simulated`` (and ``none`` for the ceiling) the
+simulations are judged instead, as one family, every task counted as feasible. Prints, per
+rule, the families that need it (:func:`orca_sc.benchmark._compare.rule_need`: without it,
+fewer detection goals met on their feasible tasks, a task's all-class accuracy more than 2
+points lower, or a detection figure worse by more than 2 points beyond noise), the families
+that gain without it, and per family the goals with / without and the tasks lower / higher /
+worse / better; then per rule and task the figures that moved.
 """
 
 from __future__ import annotations
@@ -40,22 +41,18 @@ def report(
                            known_called_novel=0.0)  # fmt: skip
     else:
         ceil = _per_task(orca_runs(ceiling, method=REFERENCE))
-    seeds = sorted(orca_runs(defaults)["seed"].unique())
+    seeds = sorted(base_runs["seed"].unique())
+    scope = "the simulations only, every task counted as feasible" if ceiling is None else (
+        "real tasks only")  # fmt: skip
     lines = [
-        f"Seeds {', '.join(map(str, seeds))}; "
-        + (
-            "the simulations only, every task counted as feasible"
-            if ceiling is None
-            else "real tasks only"
-        )
-        + ". Goals: detection goals met on the tasks where the ceiling meets them; lower / higher: tasks whose all-class accuracy "
+        f"Seeds {', '.join(map(str, seeds))}; {scope}. Goals: detection goals met on the tasks "
+        "where the ceiling meets them; lower / higher: tasks whose all-class accuracy "
         "is more than 2 points lower / higher without the rule; worse / better: tasks whose "
         "novel→novel falls or known→novel rises (worse) by more than 2 points and two paired "
         "standard errors without it.",
         "",
         "| rule switched off | tasks | goals with → without | lower | higher | worse | better "
-        "| needed by "
-        "| gains without it | verdict |",
+        "| needed by | gains without it | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     detail: list[str] = []

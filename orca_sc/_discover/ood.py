@@ -129,9 +129,10 @@ def type_thresholds(
     raised by it), so that known cells of a shifted type are not called novel. Where the data
     cannot support a quantile (fewer than ``1 / alpha`` held-out cells of the type, or of the
     type's cells in a query batch), that part is skipped; ``shift_query=False`` skips the shift
-    (an ablation). Returns the thresholds and their record: the quantile per type (``None``: too few cells), the shift per query batch and
-    type, and per query batch and type the cells the shift keeps known that the in-sample
-    threshold calls out of distribution (``shift_kept``; :func:`shift_notes`).
+    (an ablation). Returns the thresholds and their record: the quantile per type (``None``:
+    too few cells), the shift per query batch and type, and per query batch and type the cells
+    the shift keeps known that the in-sample threshold calls out of distribution
+    (``shift_kept``; :func:`shift_notes`).
     """
     min_cells = cells_for_quantile(alpha)
     thr = np.full(maxcos.shape[0], threshold)

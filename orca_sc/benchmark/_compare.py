@@ -233,7 +233,7 @@ class RuleNeed:
 
     @property
     def goes(self) -> bool:
-        """No real family needs the rule."""
+        """No family judged needs the rule."""
         return not self.needed_by
 
 
@@ -278,6 +278,8 @@ def rule_need(
     a task, e.g. a query-batch rule on a one-batch task, is run without it). ``simulated``:
     the simulations' tasks instead, as one family.
     """
+    from ._tasks import dataset_family
+
     w, o = _per_task(with_rule), _per_task(without)
     table = family_verdict(w, o, ceiling, simulated=simulated).table
     if table.empty:
@@ -286,8 +288,6 @@ def rule_need(
                               "acc_drops": "lower"})  # fmt: skip
     t["higher"] = family_verdict(o, w, ceiling, simulated=simulated).table["acc_drops"]
     moves = _detection_moves(with_rule, without)
-    from ._tasks import dataset_family
-
     fam = pd.Series({x: dataset_family(x) for x in moves.index})
     for col in ("worse", "better"):
         t[col] = moves[col].groupby(fam).sum().reindex(t.index, fill_value=0).astype(int)
