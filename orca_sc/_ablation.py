@@ -47,7 +47,6 @@ DROPPABLE = {
     "share_vote": "a query cluster is a candidate by the contrast vote alone",
     "share_test": "the share vote takes a cluster without testing its p-values",
     "contrast_vote": "a query cluster is a candidate by the share vote alone",
-    "contrast_bar": "the contrast vote without the labelled pieces' bar",
     "significant_anchors": "a query candidate's cells anchored only where they are core",
 }
 
@@ -81,8 +80,11 @@ class DiscoveryRules(DiscoveryConfig):
         Binomial level below which a cell has too few labelled neighbours for a known type (a label desert; where labels are sparse the test reads as many neighbours as it needs).
     segregated_support
         A batch whose unlabelled cells are supported less often than this was not labelled at random.
-    query_resolution
-        Leiden resolution of a batch without labelled cells (a separate query).
+    query_resolution, query_resolution_grid
+        Leiden resolution of a batch without labelled cells (a separate query); ``"reference"``:
+        per batch, the finest of the grid at which a sample of the labelled cells of the
+        batch's size keeps every labelled type whole (:func:`orca_sc._discover.graph.
+        reference_resolution`; a study of "ORCA core 5", not the default).
     query_vote_cells
         At most this many cells of a batch without labelled cells are clustered and vote (``None``: every cell).
     query_min_fraction, query_min_enrichment
@@ -95,7 +97,7 @@ class DiscoveryRules(DiscoveryConfig):
         A novel head that wins fewer unlabelled cells than this is no cluster (pruned).
     drop
         Parts of discovery's rules switched off, by name (:data:`DROPPABLE`): the rule-by-rule
-        ablation (``--set drop=share_vote``; several: ``--set "drop=('share_vote', 'contrast_bar')"``).
+        ablation (``--set drop=share_vote``; several: ``--set "drop=('share_vote', 'share_test')"``).
     no_warmup_rel_threshold
         Without a warm-up: clusters with a labelled share below this times the overall one count as novel.
 
@@ -115,7 +117,8 @@ class DiscoveryRules(DiscoveryConfig):
     support_min: int = 2
     desert_alpha: float = 0.01
     segregated_support: float = 0.1
-    query_resolution: float = 1.0
+    query_resolution: float | str = 1.0
+    query_resolution_grid: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0)
     query_vote_cells: int | None = None
     query_min_fraction: float = 0.5
     query_min_enrichment: float = 2.5
@@ -138,7 +141,15 @@ class DiscoveryRules(DiscoveryConfig):
             _is_finite(r) and r > 0 for r in self.resolution_grid
         ):
             _invalid("resolution_grid", self.resolution_grid, "positive numbers")
-        for name in ("fallback_resolution", "query_resolution", "query_min_enrichment"):
+        object.__setattr__(self, "query_resolution_grid", tuple(self.query_resolution_grid))
+        if not self.query_resolution_grid or not all(
+            _is_finite(r) and r > 0 for r in self.query_resolution_grid
+        ):
+            _invalid("query_resolution_grid", self.query_resolution_grid, "positive numbers")
+        qr = self.query_resolution
+        if qr != "reference" and not (_is_finite(qr) and qr > 0):
+            _invalid("query_resolution", qr, 'a finite positive number or "reference"')
+        for name in ("fallback_resolution", "query_min_enrichment"):
             if not (_is_finite(getattr(self, name)) and getattr(self, name) > 0):
                 _invalid(name, getattr(self, name), "a finite positive number")
         for name in ("ood_quantile", "ood_max_rate", "support_fraction", "desert_alpha",
@@ -214,6 +225,10 @@ class Ablation:
         ``"nearest"`` every cell whose nearest centroid is the type's, ``"cluster"`` every cell
         of a query cluster most of whose cells match the type (a study of "ORCA core 5", not
         the default).
+    query_mapping
+        ``"none"`` (ORCA), or ``"frozen"``: each batch without labelled cells learns an offset of
+        its own on the frozen nets of the labelled cells, which discovery then reads it through
+        (:mod:`orca_sc._mapping`; a study of "ORCA core 5", not the default).
     rules
         Constants of discovery's rules, by field name of :class:`DiscoveryRules`.
 
@@ -238,6 +253,7 @@ class Ablation:
     stop_min_steps: int = 100
     min_shared_genes: int = 100
     type_alignment: str = "none"
+    query_mapping: str = "none"
     rules: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -254,6 +270,8 @@ class Ablation:
         if self.type_alignment not in ("none", "matched", "nearest", "cluster"):
             _invalid("type_alignment", self.type_alignment,
                      '"none", "matched", "nearest" or "cluster"')  # fmt: skip
+        if self.query_mapping not in ("none", "frozen"):
+            _invalid("query_mapping", self.query_mapping, '"none" or "frozen"')
         if self.pair_space not in ("both", "query_pca", "pca", "embedding"):
             _invalid("pair_space", self.pair_space, '"both", "query_pca", "pca" or "embedding"')
         for name in ("fixed_margin", "lam", "eta1", "eta2", "anchor_weight"):

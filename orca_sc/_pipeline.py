@@ -21,7 +21,7 @@ import numpy as np
 from ._ablation import LAB, Ablation, DiscoveryRules
 from ._align import class_centroids
 from ._calibration import FoldPredictions
-from ._cells import infer
+from ._cells import CellMatrix, infer
 from ._config import OrcaConfig
 from ._context import (
     RunContext,
@@ -51,6 +51,7 @@ from ._discover import (
 )
 from ._discover.compute import neighbours_once, on_device
 from ._engine import stage
+from ._mapping import fit_query_offsets
 from ._train import NovelHeads, Schedule, TrainRandom, fit_open_world, fit_warmup
 from .module import OrcaNet
 
@@ -163,6 +164,10 @@ def _fit(run: RunContext) -> Fit:
     if dc.novelty_folds and run.plan.warmup > 0:
         with stage("cross-fitted warm-ups"):
             side = fold_warmups(drun, dc.novelty_folds, held_out=dc.cross_fit_threshold != "none")
+    if run.lab.query_mapping == "frozen":
+        with stage("query mapping"):
+            nets = [warm.net] + ([] if side is None else [n for n in side.nets if n is not None])
+            run, drun = mapped_queries(run, drun, nets)
     t_side = time.perf_counter() - t1
     held_out = None if side is None else side.held_out_similarity
     with stage("discovery"):
@@ -201,6 +206,40 @@ def _fit(run: RunContext) -> Fit:
         Timings(t1 - t0, t2 - t1 - t_side, t3 - t2, t5 - t4 + t_side), training, pvalues,
         fold_pred, run.lab,
     )  # fmt: skip
+
+
+def mapped_queries(
+    run: RunContext, drun: RunContext, nets: list[OrcaNet]
+) -> tuple[RunContext, RunContext]:
+    """The run's context and its discovery sample's (``drun``; the same where there is none)
+    with each batch without labelled cells mapped onto the frozen ``nets``
+    (:func:`orca_sc._mapping.fit_query_offsets`, fitted on ``drun``'s cells): their training
+    matrices read the mapped offsets, their PCAs the centroid shift as before; the record is
+    the alignment's ``query_mapping`` (per batch, by name).
+    """
+    t, d = drun.transform, drun.data
+    if t.group is not None:
+        msg = 'query_mapping="frozen" maps a batch with one offset: it needs type_alignment="none".'
+        raise ValueError(msg)
+    offset, record = run.comm.on_main(
+        fit_query_offsets, nets, d.X, d.labels, d.domain, t.scale, t.offset,
+        n_comps=run.rules.n_pcs, seed=run.config.seed,
+    )  # fmt: skip
+
+    names = d.domain_names
+    record = {**record, "batches": {names[int(b)]: v for b, v in record["batches"].items()}}
+
+    def mapped(ctx: RunContext) -> RunContext:
+        tr = replace(ctx.transform, info={**ctx.transform.info, "query_mapping": record})
+        cells = CellMatrix(ctx.data.X, tr.code(ctx.data.domain), tr.scale, offset,
+                           ctx.cells.device)  # fmt: skip
+        new = replace(ctx, transform=tr, cells=cells)
+        new._pca_all.update(ctx._pca_all)  # the PCA reads the centroid shift, as before
+        new._residuals.extend(ctx._residuals)
+        return new
+
+    new_run = mapped(run)
+    return new_run, (new_run if drun is run else mapped(drun))
 
 
 def on_all_cells(

@@ -666,3 +666,31 @@ def test_a_condition_shift_alone_makes_no_novel_cluster():
     said = [n for n in a.uns["orca"]["estimate"]["notes"] if "score like its labelled" in n]
     assert said  # the user is told which clusters stayed known
     assert a[q].obs["orca_novel"].notna().mean() == 0.0 and a.uns["orca"]["n_novel"]["found"] == 0
+
+
+def test_a_query_mapped_onto_the_frozen_nets_is_recorded_and_read_by_the_run():
+    """``query_mapping="frozen"`` (a study's setting) through a whole run: the query batch
+    gets an offset of its own, recorded with the alignment; its known cells' matched cosine
+    rises; the hidden type is still found and most known cells stay known.
+    """
+    a = orca_sc.datasets.simulate(1600, 300, 5, n_batches=2, batch_weights=[0.5, 0.5],
+                                  markers_per_type=30, marker_fold=5.0, seed=4)  # fmt: skip
+    b = a.obs["batch"].astype(str).to_numpy()
+    t = a.obs["cell_type"].astype(str).to_numpy()
+    ref = a[(b == "batch_0") & (t != "type_4")].copy()
+    query = a[b == "batch_1"].copy()
+    lab = FAST_LAB.replace(query_mapping="frozen")
+    out = orca_sc.tl.annotate(query, ref, labels_key="cell_type", copy=True, seed=0,
+                              **{**FAST, "ablation": lab})  # fmt: skip
+    alignment = out.uns["orca"]["alignment"]
+    record = alignment["query_mapping"]
+    anchor = alignment["batches"][alignment["anchor"]]
+    (name,) = record["batches"]  # the query's batch alone, by name
+    assert record["method"] == "frozen" and name in alignment["batches"] and name != anchor
+    fitted = record["batches"][name]
+    assert fitted["cells"] == query.n_obs and fitted["offset_norm"] > 0
+    first, last = fitted["matched_cosine"]
+    assert last >= first
+    truth = query.obs["cell_type"].astype(str).to_numpy()
+    novel = out.obs["orca_novel"].notna().to_numpy()
+    assert novel[truth == "type_4"].mean() > 0.8 and novel[truth != "type_4"].mean() < 0.1

@@ -705,6 +705,9 @@ def test_every_config_field_is_validated(field, value):
         ("desert_alpha", float("nan")),
         ("segregated_support", -1),
         ("query_resolution", 0),
+        ("query_resolution", "labels"),
+        ("query_resolution_grid", (1.0, 0)),
+        ("query_mapping", "scarches"),
         ("query_min_fraction", 1.1),
         ("query_min_enrichment", -2),
         ("core_min_agree", 1.2),
@@ -1025,3 +1028,102 @@ def test_aligned_rows_are_the_affine_transform_of_each_batch_and_leave_x_alone()
             assert got.dtype == np.float32
             np.testing.assert_array_equal(got, dense * s[d[r]] + o[d[r]])
     assert (X != before).nnz == 0
+
+
+def test_query_mapping_fits_an_offset_on_frozen_nets_that_brings_known_query_cells_home():
+    """``query_mapping="frozen"`` (a study's setting): a net trained on the reference alone is
+    frozen; a query batch shifted along the reference's main axes learns an offset of its own,
+    in those axes, that brings its known-type cells back to their heads (their cosine as high
+    as the reference cells'); the net and the reference batch's alignment are left as they were.
+    (Nothing holds back a type the reference lacks whose cells a head matches with confidence:
+    the study's failure, docs/experiments.)
+    """
+    import torch
+
+    from orca_sc._mapping import fit_query_offsets, reference_directions
+    from orca_sc.module import OrcaNet
+
+    rng = np.random.default_rng(2)
+    g, n = 60, 150
+    centroids = rng.gamma(2.0, 1.0, (3, g))
+    ref = np.repeat(centroids, n, axis=0) + rng.normal(0, 0.3, (3 * n, g))
+    shift = 0.3 * (centroids[0] - centroids[1])  # along the reference's own axes
+    known = np.repeat(centroids, n, axis=0) + shift + rng.normal(0, 0.3, (3 * n, g))
+    novel = rng.gamma(2.0, 1.0, (1, g)) + rng.normal(0, 0.3, (n, g))
+    X = sp.csr_matrix(np.vstack([ref, known, novel]).astype(np.float32))
+    labels = np.r_[np.repeat(np.arange(3), n), -np.ones(4 * n, dtype=int)]
+    domain = np.r_[np.zeros(3 * n, dtype=int), np.ones(4 * n, dtype=int)]
+
+    torch.manual_seed(0)
+    net = OrcaNet(g, 3, (32, 16), 0.1)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    xr, yr = torch.from_numpy(ref.astype(np.float32)), torch.from_numpy(labels[: 3 * n])
+    for _ in range(400):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xr)[0], yr).backward()
+        opt.step()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    net.train()
+
+    scale, offset = np.ones((2, g), np.float32), np.zeros((2, g), np.float32)
+    new, record = fit_query_offsets([net], X, labels, domain, scale, offset, n_comps=5)
+
+    assert net.training and all(p.requires_grad for p in net.parameters())
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert np.array_equal(new[0], offset[0])  # the reference's batch keeps its alignment
+    assert set(record["batches"]) == {"1"} and record["batches"]["1"]["cells"] == 4 * n
+    first, last = record["batches"]["1"]["matched_cosine"]
+    assert last > first + 0.02
+
+    def best_cosine(rows, off):
+        net.eval()
+        with torch.no_grad():
+            z = net(torch.from_numpy((X[rows].toarray() + off).astype(np.float32)))[1]
+            w = torch.nn.functional.normalize(net.head.weight, dim=1)
+            return (torch.nn.functional.normalize(z, dim=1) @ w.T).max(dim=1).values.numpy()
+
+    q_known = np.arange(3 * n, 6 * n)
+    home = np.median(best_cosine(np.arange(3 * n), 0))
+    moved, stayed = np.median(best_cosine(q_known, new[1])), np.median(best_cosine(q_known, 0))
+    assert stayed < home - 0.04 and moved > home - 0.01  # taken away, and brought back
+    # the offset lies in the reference's five principal directions and undoes the shift
+    V = reference_directions(X, labels, domain, scale, offset, 5, 0).numpy().astype(np.float64)
+    delta = new[1].astype(np.float64)
+    assert np.linalg.norm(delta - delta @ V.T @ V) < 1e-4 * np.linalg.norm(delta)
+    assert np.corrcoef(delta, -shift)[0, 1] > 0.5
+
+
+def test_reference_resolution_is_the_finest_cut_that_keeps_each_labelled_type_whole():
+    """``query_resolution="reference"`` (a study's setting): compact labelled types stay whole
+    at a finer cut than the default; a type stretched into a continuum breaks there, so the
+    same data with it get a coarser cut; the choice is made on a sample of the query's size,
+    and fewer than two types to judge give the fallback.
+    """
+    from orca_sc._discover.graph import reference_resolution
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 6, (4, 10))
+    grid = (0.25, 0.5, 1.0, 2.0, 3.0, 4.0)
+
+    def cells(stretch):
+        pts = rng.normal(0, 1, (4, 250, 10))
+        pts[0, :, 0] *= stretch
+        return (centres[:, None, :] + pts).reshape(1000, 10), np.repeat(np.arange(4), 250)
+
+    chosen = {}
+    for stretch in (1, 6):
+        emb, y = cells(stretch)
+        r, whole = reference_resolution(y, np.arange(1000), 1000, emb.__getitem__, grid)
+        assert whole[f"{r:g}"] == 1.0 and all(whole[f"{g:g}"] < 1 for g in grid if g > r)
+        chosen[stretch] = r
+    assert chosen[1] > chosen[6]
+    seen = []
+    r, whole = reference_resolution(
+        y, np.arange(1000), 300, lambda rows: seen.append(rows.size) or emb[rows], grid
+    )
+    assert seen == [300] and set(whole) == {f"{g:g}" for g in grid}
+    one = np.zeros(1000, dtype=int)
+    assert reference_resolution(
+        one, np.arange(1000), 1000, emb.__getitem__, grid, fallback=0.7
+    ) == (0.7, {})

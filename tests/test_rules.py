@@ -95,6 +95,26 @@ def test_each_droppable_part_of_a_rule_is_switched_off_by_name():
     assert Ablation.of(drop="share_vote").rules == {"drop": "share_vote"}
 
 
+def test_a_query_cut_checked_on_the_labelled_cells_is_recorded_per_batch():
+    """``query_resolution="reference"`` (a study's setting): the query batch is cut at the
+    resolution its labelled sample keeps whole, which the record and the prose give; the
+    fourth type is still the one candidate.
+    """
+    cells, truth = _two_batches()
+    rules = DiscoveryRules(query_resolution="reference", query_resolution_grid=(0.5, 1.0, 2.0))
+    e = _evidence(cells, rules)
+    record = run_rules(e)
+    chosen = record["query_resolution"]["query"]
+    assert chosen["resolution"] in (0.5, 1.0, 2.0)
+    assert chosen["types_whole"][f"{chosen['resolution']:g}"] == 1.0
+    assert set(chosen["types_whole"]) == {"0.5", "1", "2"}
+    assert "keeps every labelled type whole" in record["method"]
+    assert sum(record["query_votes"]["candidate"]) == 1
+    (members,) = e.groups
+    assert (truth[members] == 3).mean() > 0.95
+    assert "query_resolution" not in run_rules(_evidence(cells))
+
+
 def test_every_rule_says_what_it_does_and_every_other_stage_names_a_real_function():
     names = [rule.name for rule in RULES]
     assert len(set(names)) == len(names) and all(names)

@@ -845,61 +845,6 @@ def test_contrast_query_vote_leaves_a_type_the_batch_shifts_as_a_whole():
     assert not contrast_vote(p, claimed, truth == "N", truth != "N", 4, 20)[0]
 
 
-def test_contrast_vote_clears_the_bar_of_labelled_pieces():
-    """A known type whose cosines fall toward one edge (a continuum, as real types are) is cut
-    into pieces by the query's clustering, and its edge piece scores below the rest of the type:
-    the contrast vote alone takes it. The labelled cells of the same type, clustered the same
-    way, show how far below the rest of its type an edge piece sits (:func:`reference_gaps`, in
-    units of the type's spread); the query's edge piece sits no further, so with that bar it is
-    not taken, while a novel type under the same head, further below than any labelled piece,
-    still is. Each vote's gap is recorded.
-    """
-    from orca_sc._discover import query_ood_clusters
-    from orca_sc._discover.query import ContrastBar, cosine_gap, reference_gaps, type_spread
-
-    rng = np.random.default_rng(5)
-
-    def continuum(n, length):  # cells along a line; the cosine falls toward x = 0
-        x = rng.uniform(0, length, n)
-        return np.c_[x, rng.normal(0, 0.3, n)], 0.8 + 0.01 * x + rng.normal(0, 0.01, n)
-
-    ref_emb, held_out = continuum(2000, 14.0)  # the atlas spans the type's whole range
-    q_emb, q_cos = continuum(1500, 10.0)
-    n_emb = np.c_[rng.normal(5, 0.3, 150), rng.normal(8, 0.3, 150)]  # a novel type, apart
-    emb = np.vstack([ref_emb, q_emb, n_emb])
-    cos = np.r_[held_out, q_cos, 0.75 + rng.normal(0, 0.01, 150)]
-    labels = np.r_[np.zeros(2000, int), np.full(1650, -1)]
-    domain = np.r_[np.zeros(2000, int), np.ones(1650, int)]
-    truth = np.r_[np.zeros(3500, int), np.ones(150, int)]
-    held = np.where(labels >= 0, cos, np.nan)
-
-    spread = type_spread(held, labels, 1)
-    assert spread[0] == pytest.approx(0.07, abs=0.01)  # the interquartile range of 0.8 + 0.01 x
-    assert cosine_gap(np.full(5, 0.8), np.full(5, 0.87), 0.07) == pytest.approx(1.0)
-    gaps = reference_gaps(held, labels, domain, np.arange(2000), lambda idx: emb[idx], spread,
-                          resolution=1.0)  # fmt: skip
-    assert gaps.size >= 5 and gaps[-1] > 0.5  # the labelled type's edge piece: far below the rest
-
-    query = np.arange(2000, 3650)
-    srt = np.sort(held_out)
-    p = np.full(cos.size, np.nan)
-    p[query] = (1 + np.searchsorted(srt, cos[query], side="right")) / (srt.size + 1)
-    ood = np.zeros(cos.size, bool)
-    ood[2000] = True  # one flagged cell: the share vote takes no cluster
-    args = (ood, query, domain, lambda idx: emb[idx])
-    kw = {"resolution": 1.0, "pvalues": p, "claimed": np.zeros(cos.size, int),
-          "min_fraction": 1.1, "min_enrichment": 1e9}  # fmt: skip
-    alone = query_ood_clusters(*args, **kw)
-    edge = [g for g in alone if truth[g].mean() < 0.5]
-    assert edge and all(emb[g, 0].mean() < 5 for g in edge)  # the contrast alone: low pieces
-    votes: list[dict] = []
-    gated = query_ood_clusters(*args, **kw, bar=ContrastBar(cos, spread, gaps), votes=votes)
-    assert len(gated) == 1 and truth[gated[0]].sum() == 150 and truth[gated[0]].mean() > 0.9
-    assert not any(v["share"] for v in votes) and sum(v["candidate"] for v in votes) == 1
-    compared = [v["gap"] for v in votes if v["gap"] is not None]
-    assert max(compared) > gaps[-1] and sorted(compared)[-2] <= gaps[-1]
-
-
 def test_query_votes_take_a_cluster_either_vote_takes():
     """A cluster is a candidate by its share of out-of-distribution cells or, where its cells
     have p-values, by the contrast vote: a novel cluster with few flagged cells but low

@@ -328,3 +328,44 @@ def pca_input_verdict(right_log: np.ndarray, right_pearson: np.ndarray, alpha: f
         "p_value": p,
         "n_cells": int(right_log.size),
     }
+
+
+def reference_resolution(
+    labels: np.ndarray,
+    rows: np.ndarray,
+    n_cells: int,
+    pca_of: Callable[[np.ndarray], np.ndarray],
+    grid: tuple[float, ...],
+    *,
+    seed: int = 0,
+    n_neighbors: int = _DEFAULTS.n_neighbors,
+    fallback: float = 1.0,
+) -> tuple[float, dict[str, float]]:
+    """The resolution at which a batch of ``n_cells`` cells is cut, checked on the labelled
+    cells ``rows``: a random ``n_cells`` of them (all, if fewer) are clustered on their own PCA
+    (``pca_of``) as a query batch of that size is, at each resolution of ``grid``; a labelled
+    type of at least ``n_neighbors`` cells there is *whole* when one cluster holds at least
+    half of its cells. The finest resolution at which every such type is whole is returned: a
+    finer cut breaks a type the labels say is one, as it would break a known type of the query
+    into pieces; at it, a small type as distinct from its neighbours as the labelled types
+    still gets a cluster. With fewer than two such types, ``fallback``. Returns the resolution
+    and the share of the types whole at each resolution of the grid.
+    """
+    if rows.size > n_cells:
+        rng = np.random.default_rng([seed, 0x6A1, n_cells])
+        rows = np.sort(rng.choice(rows, n_cells, replace=False))
+    y = labels[rows]
+    types, counts = np.unique(y, return_counts=True)
+    types = types[counts >= n_neighbors]
+    if types.size < 2 or rows.size <= 2 * n_neighbors:
+        return float(fallback), {}
+    emb = pca_of(rows)
+    adjacency = knn_graph(emb, n_neighbors)
+    best, whole = None, {}
+    for r in sorted(grid):  # loop over resolutions
+        codes = leiden(emb, r, seed, adjacency=adjacency, n_neighbors=n_neighbors)
+        held = [np.bincount(codes[y == t]).max() >= 0.5 * (y == t).sum() for t in types]
+        whole[f"{r:g}"] = float(np.mean(held))
+        if all(held):
+            best = r
+    return float(min(grid) if best is None else best), whole

@@ -1,8 +1,7 @@
 """The query vote: in a batch without labelled cells (a separate query), Leiden clusters of the
 whole batch become candidates by their share of out-of-distribution cells (the share vote and
 its test), or where their cells score below the cross-fitted cosines of the known type that
-claims them, below that type's other cells in the batch, and further below them than any piece
-of a labelled type sits below the rest of its type (the contrast vote and its bar).
+claims them and below that type's other cells in the batch (the contrast vote).
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -192,46 +190,6 @@ def contrast_vote(
     return bool(auc <= QUERY_MEAN_P and pval <= QUERY_LEVEL / max(n_clusters, 1)), auc
 
 
-def type_spread(held_out: np.ndarray, labels: np.ndarray, n_types: int) -> np.ndarray:
-    """Each known type's spread: the interquartile range of its labelled cells' cross-fitted
-    cosines (NaN where it has none), the unit of :func:`cosine_gap`.
-    """
-    out = np.full(n_types, np.nan)
-    fin = np.isfinite(held_out) & (labels >= 0)
-    for t in np.unique(labels[fin]):  # loop over types
-        q75, q25 = np.quantile(held_out[fin & (labels == t)], [0.75, 0.25])
-        out[t] = q75 - q25
-    return out
-
-
-def cosine_gap(inside: np.ndarray, outside: np.ndarray, spread: float) -> float:
-    """How far the cosines ``inside`` sit below ``outside``: the difference of their medians in
-    units of the type's ``spread`` (:func:`type_spread`). Unlike a rank statistic it does not
-    stop at "every cell below": a cluster far below its type scores higher than one just below.
-    """
-    diff = float(np.median(outside) - np.median(inside))
-    return diff / spread if spread > 0 else (math.inf if diff > 0 else 0.0)
-
-
-@dataclass(frozen=True)
-class ContrastBar:
-    """What the contrast vote's cluster must exceed: ``cosine`` (each cell's best seen-head
-    cosine), ``spread`` (:func:`type_spread`) and ``gaps`` (:func:`reference_gaps`, sorted; empty:
-    no labelled piece to compare with, no bar).
-    """
-
-    cosine: np.ndarray
-    spread: np.ndarray
-    gaps: np.ndarray
-
-    def passes(self, inside: np.ndarray, outside: np.ndarray, t: int) -> tuple[bool, float]:
-        """Whether the cells ``inside`` sit further below ``outside`` (cosines of type ``t``'s
-        cells) than any labelled piece below the rest of its type; and the gap.
-        """
-        gap = cosine_gap(self.cosine[inside], self.cosine[outside], float(self.spread[t]))
-        return bool(self.gaps.size == 0 or gap > self.gaps[-1]), gap
-
-
 def sampled_clusters(
     emb: np.ndarray,
     resolution: float,
@@ -271,58 +229,6 @@ def sampled_clusters(
     return codes, voters
 
 
-def reference_gaps(
-    held_out: np.ndarray,
-    labels: np.ndarray,
-    domain: np.ndarray,
-    cells: np.ndarray,
-    pca_of: Callable[[np.ndarray], np.ndarray],
-    spread: np.ndarray,
-    *,
-    resolution: float = _DEFAULTS.query_resolution,
-    seed: int = 0,
-    n_neighbors: int = _DEFAULTS.n_neighbors,
-    min_cells: int = cells_for_quantile(_DEFAULTS.novelty_alpha),
-    max_cells: int | None = _DEFAULTS.query_vote_cells,
-) -> np.ndarray:
-    """How far pieces of known types sit below the rest of their type, found as a query batch's
-    are: the labelled cells ``cells`` (each with a cross-fitted cosine ``held_out``) of each
-    batch clustered as a query batch is (Leiden on ``pca_of`` of the batch's cells at
-    ``resolution``, on a sample of at most ``max_cells`` of them, :func:`sampled_clusters`,
-    whose cells alone are then read), each cluster voted by :func:`conformal_vote` on its
-    cells' p-values (their rank among their type's cross-fitted cosines), and for each cluster
-    the :func:`cosine_gap` of its cells of its most common type against that type's cells in the
-    other clusters the vote leaves. A piece of a labelled type is a known type by definition, so the largest of
-    these is how far below its type a piece of a known type can sit here: the bar a query
-    cluster's gap must clear. Clusters with fewer than ``min_cells`` cells of the type on either
-    side are left out. Returns the gaps, sorted.
-    """
-    p = np.full(held_out.shape[0], np.nan)
-    for t in np.unique(labels[cells]):  # loop over types: p = #{j: h_j <= h_i} / n
-        rows = cells[labels[cells] == t]
-        p[rows] = np.searchsorted(np.sort(held_out[rows]), held_out[rows], side="right") / rows.size
-    out: list[float] = []
-    for d in np.unique(domain[cells]):  # loop over batches, not cells
-        idx = cells[domain[cells] == d]
-        if idx.size < 2 * min_cells:
-            continue
-        codes, voters = sampled_clusters(pca_of(idx), resolution, seed, n_neighbors, max_cells,
-                                         stream=int(d))  # fmt: skip
-        idx, codes = idx[voters], codes[voters]
-        lab, cos, pd_ = labels[idx], held_out[idx], p[idx]
-        clusters = np.unique(codes)
-        low = [c for c in clusters
-               if (codes == c).sum() >= min_cells and conformal_vote(pd_[codes == c], clusters.size)[0]]  # fmt: skip
-        leaves = ~np.isin(codes, low)
-        for c in clusters:  # loop over clusters
-            inside = codes == c
-            t = _mode(lab[inside])
-            x, y = cos[inside & (lab == t)], cos[leaves & ~inside & (lab == t)]
-            if x.size >= min_cells and y.size >= min_cells:
-                out.append(cosine_gap(x, y, float(spread[t])))
-    return np.sort(np.asarray(out, dtype=float))
-
-
 def query_ood_clusters(
     ood: np.ndarray,
     cells: np.ndarray,
@@ -331,14 +237,13 @@ def query_ood_clusters(
     *,
     min_fraction: float = _DEFAULTS.query_min_fraction,
     min_enrichment: float = _DEFAULTS.query_min_enrichment,
-    resolution: float = _DEFAULTS.query_resolution,
+    resolution: float | dict[int, float] = _DEFAULTS.query_resolution,
     seed: int = 0,
     n_neighbors: int = _DEFAULTS.n_neighbors,
     pvalues: np.ndarray | None = None,
     min_cells: int = cells_for_quantile(_DEFAULTS.novelty_alpha),
     votes: list[dict] | None = None,
     claimed: np.ndarray | None = None,
-    bar: ContrastBar | None = None,
     share_level: float | None = None,
     max_cells: int | None = _DEFAULTS.query_vote_cells,
     drop: tuple[str, ...] = (),
@@ -359,24 +264,20 @@ def query_ood_clusters(
     the warm-up fitted its labelled cells, which falls as the data grow; the conformal vote
     reads the cells' scores against labelled cells no net trained on, so it does not. Such a
     cluster must also (the contrast vote; ``claimed``, each cell's best seen head, is then
-    required) score below the cells of the type that claims it in the batch's clusters the conformal vote does not flag
-    (:func:`contrast_vote`), and with ``bar`` sit further below them than any piece of a
-    labelled type sits below the rest of its type (:class:`ContrastBar`, :func:`reference_gaps`):
-    a known-type cluster exchangeable with the labelled pieces clears it with a chance of at
-    most ``1 / (pieces + 1)``. With ``share_level``, a cluster the share vote takes that has
+    required) score below the cells of the type that claims it in the batch's clusters the
+    conformal vote does not flag (:func:`contrast_vote`). With ``share_level``, a cluster the share vote takes that has
     p-values (at least :data:`SHARE_TEST_MIN_VALUES`) must also have their mean below 1/2
     (:func:`mean_p_below_half`) at that level: the share vote counts the cells in the tail below
     the threshold, which a known type whose cosines the batch spreads fills too, while its
     cells as a whole score like the labelled cells. ``votes``: a list to which each cluster's
     size, mean p-value (``None``: under :data:`SHARE_TEST_MIN_VALUES` of them), contrast
-    probability and gap (``None``: not compared), the share vote's
-    decision, its test's p-value (``None``: not tested) and the decision are appended. With
+    probability (``None``: not compared), the share vote's decision, its test's p-value (``None``: not tested) and the decision are appended. With
     ``max_cells``, a larger batch is clustered on a sample of that many cells
     (:func:`sampled_clusters`) and each cluster is voted on its sample cells alone: every vote
     then reads as many cells as in a batch of ``max_cells``, and a candidate holds all the cells
     its cluster took. ``drop`` (an ablation) switches off ``"share_vote"`` or
-    ``"contrast_vote"`` (the conformal and contrast votes). Returns the index arrays of the
-    candidates' cells.
+    ``"contrast_vote"`` (the conformal and contrast votes). ``resolution``: one for every batch,
+    or each batch's. Returns the index arrays of the candidates' cells.
     """
     if pvalues is not None and claimed is None:
         msg = "the contrast vote compares a cluster with its type's cells: pass claimed too"
@@ -386,7 +287,8 @@ def query_ood_clusters(
         idx = cells[domain[cells] == d]
         if idx.size < 2:  # a batch of one cell is not clustered
             continue
-        codes, voters = sampled_clusters(pca_of(idx), resolution, seed, n_neighbors, max_cells,
+        res = resolution[int(d)] if isinstance(resolution, dict) else resolution
+        codes, voters = sampled_clusters(pca_of(idx), res, seed, n_neighbors, max_cells,
                                          stream=int(d))  # fmt: skip
         members = idx  # every cell of the batch, by cluster; the votes read the sample's cells
         idx, codes_all, codes = idx[voters], codes, codes[voters]
@@ -407,7 +309,6 @@ def query_ood_clusters(
         if conformal:  # the contrast reads the finite p-values only
             fin = np.isfinite(pvalues[idx])
             p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
-            idx_fin = idx[fin]
             leaves = ~np.isin(codes_fin, [c for c, low in conformal.items() if low])
         for c in clusters:
             m = idx[codes == c]  # the cluster's voters
@@ -421,24 +322,17 @@ def query_ood_clusters(
             # the conformal vote: its cells score below the labelled cells of their type
             conformal_low, mean = conformal.get(c, False), means.get(c)
             conformal_low = conformal_low and "contrast_vote" not in drop
-            # the contrast: below that type's cells in the batch's other clusters, and further
-            # below them than any labelled piece sits below its type (the bar)
-            contrast_low = bar_low = True
-            auc = gap = None
+            # the contrast: below that type's cells in the batch's other clusters
+            contrast_low, auc = True, None
             if conformal_low:
-                in_c = codes_fin == c
                 contrast_low, auc = contrast_vote(
-                    p_fin, claimed_fin, in_c, leaves, clusters.size, min_cells
+                    p_fin, claimed_fin, codes_fin == c, leaves, clusters.size, min_cells
                 )
-                if contrast_low and bar is not None:  # the contrast's type and comparison cells
-                    t = _mode(claimed_fin[in_c])
-                    rest = idx_fin[leaves & ~in_c & (claimed_fin == t)]
-                    bar_low, gap = bar.passes(m[claimed[m] == t], rest, t)
-            take = (share and share_test) or (conformal_low and contrast_low and bar_low)
+            take = (share and share_test) or (conformal_low and contrast_low)
             if votes is not None:
                 votes.append({"batch": int(d), "cells": int((codes_all == c).sum()),
                               "voters": int(m.size), "mean_p": mean,
-                              "contrast_auc": auc, "gap": gap, "share": share,
+                              "contrast_auc": auc, "share": share,
                               "share_test_p": share_p, "candidate": take,
                               "flagged": float(frac),
                               "type": None if claimed is None else _mode(claimed[m])})  # fmt: skip
@@ -449,16 +343,16 @@ def query_ood_clusters(
 
 def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryRules, seed: int,
                       pvalues=None, votes=None, claimed=None,
-                      bar=None) -> list[np.ndarray]:  # fmt: skip
+                      resolution=None) -> list[np.ndarray]:  # fmt: skip
     """Candidates of the batches without labelled cells (none when there are none)."""
     if not query.any():
         return []
     return query_ood_clusters(
         ood, np.flatnonzero(query), domain, pca_cells,
         min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
-        resolution=cfg.query_resolution, seed=seed, n_neighbors=cfg.n_neighbors,
-        pvalues=pvalues, min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes,
-        claimed=claimed, bar=bar,
+        resolution=cfg.query_resolution if resolution is None else resolution, seed=seed,
+        n_neighbors=cfg.n_neighbors, pvalues=pvalues,
+        min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes, claimed=claimed,
         share_level=None if "share_test" in cfg.drop else cfg.novelty_alpha,
         max_cells=cfg.query_vote_cells, drop=cfg.drop,
     )  # fmt: skip

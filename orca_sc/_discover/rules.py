@@ -22,20 +22,17 @@ from typing import Any
 import numpy as np
 
 from .._ablation import DiscoveryRules
-from .graph import resolve_resolution
+from .graph import reference_resolution, resolve_resolution
 from .heads import _novel_heads, significant_cells
 from .labels import _label_evidence, no_label_evidence, query_batch_cells
 from .ood import cells_for_quantile, ood_clusters, ood_threshold, shift_notes, type_thresholds
 from .query import (
     QUERY_LEVEL,
     QUERY_MEAN_P,
-    ContrastBar,
     _query_candidates,
     _rank_by_size,
     query_pvalues,
-    reference_gaps,
     spread_notes,
-    type_spread,
 )
 
 
@@ -80,7 +77,8 @@ class DiscoveryState:
     assign: np.ndarray | None = None  # candidate of each cell (-1: none)
     sizes: list = field(default_factory=list)
     votes: list = field(default_factory=list)  # one entry per query cluster voted on
-    bar: ContrastBar | None = None
+    #: each query batch's resolution and its record (``query_resolution="reference"``)
+    query_resolutions: dict = field(default_factory=dict)
     groups: list = field(default_factory=list)  # query candidates (cell indices)
     heads: Any = None  # prototypes, prior, core cells
     anchor_cells: np.ndarray | None = None
@@ -253,14 +251,37 @@ class Candidates(Rule):
         )
 
 
+def query_resolutions(e: DiscoveryState) -> dict[int, tuple[float, dict[str, float]]]:
+    """Each query batch's resolution (``query_resolution="reference"``): the finest of
+    ``query_resolution_grid`` at which a sample of the labelled cells of the batch's size (of
+    the cells that vote: at most ``query_vote_cells``) keeps every labelled type whole
+    (:func:`reference_resolution`; 1 where fewer than two types can be judged), with the share
+    of types whole at each resolution.
+    """
+    cfg, rows = e.cfg, np.flatnonzero(e.lab)
+    out = {}
+    for d in np.unique(e.domain[e.query]):  # loop over batches
+        n = int((e.domain[e.query] == d).sum())
+        if cfg.query_vote_cells is not None:
+            n = min(n, cfg.query_vote_cells)
+        out[int(d)] = reference_resolution(
+            e.labels, rows, n, e.pca_cells, cfg.query_resolution_grid, seed=e.seed + int(d),
+            n_neighbors=cfg.n_neighbors, fallback=_DEFAULT_QUERY_RESOLUTION,
+        )  # fmt: skip
+    return out
+
+
+#: where the labelled cells cannot check a query batch's resolution
+_DEFAULT_QUERY_RESOLUTION = 1.0
+
+
 class QueryVote(Rule):
     """In a batch without labelled cells, Leiden clusters of the whole batch vote
     (:func:`orca_sc._discover.query.query_ood_clusters`): a cluster is a candidate by the share
     vote (enough of its cells below their threshold, and, where they have p-values, scoring
     below the labelled cells as a whole) or by the contrast vote (its cells below the
-    cross-fitted cosines of the type that claims them, below that type's other cells in the
-    batch, and further below them than any piece of a labelled type sits below the rest of its
-    type: the bar). Without p-values, the share vote alone.
+    cross-fitted cosines of the type that claims them, and below that type's other cells in the
+    batch). Without p-values, the share vote alone.
     """
 
     name = "query vote"
@@ -270,17 +291,12 @@ class QueryVote(Rule):
             return
         cfg, claimed = e.cfg, e.predicted if e.contrast else None
         ood = e.maxcos < (e.threshold if e.cell_threshold is None else e.cell_threshold)
-        if claimed is not None and "contrast_bar" not in cfg.drop:
-            # how far below its type a piece of a labelled type sits
-            spread = type_spread(e.held_out, e.labels, e.seen_similarity.shape[1])
-            rows = np.flatnonzero(e.lab & np.isfinite(e.held_out))
-            e.bar = ContrastBar(e.maxcos, spread, reference_gaps(
-                e.held_out, e.labels, e.domain, rows, e.pca_cells, spread,
-                resolution=cfg.query_resolution, seed=e.seed, n_neighbors=cfg.n_neighbors,
-                min_cells=cells_for_quantile(cfg.novelty_alpha), max_cells=cfg.query_vote_cells,
-            ))  # fmt: skip
+        resolution = cfg.query_resolution
+        if resolution == "reference":  # each query batch's, checked on the labelled cells
+            e.query_resolutions = query_resolutions(e)
+            resolution = {d: r for d, (r, _) in e.query_resolutions.items()}
         e.groups = _query_candidates(ood, e.query, e.domain, e.pca_cells, cfg, e.seed,
-                                     e.pvalues, e.votes, claimed, e.bar)  # fmt: skip
+                                     e.pvalues, e.votes, claimed, resolution)  # fmt: skip
         e.notes += spread_notes(e.votes, e.batch_names, e.class_names)
 
     def record(self, e: DiscoveryState) -> dict[str, Any]:
@@ -301,13 +317,13 @@ class QueryVote(Rule):
             "candidate": [v["candidate"] for v in e.votes],
         }
         out: dict[str, Any] = {"query_votes": votes}
-        if e.contrast:
-            votes["contrast_auc"], votes["gap"] = column("contrast_auc"), column("gap")
-        if e.bar is not None:
-            out["contrast_bar"] = {
-                "labelled_pieces": int(e.bar.gaps.size),
-                "max_gap": float(e.bar.gaps[-1]) if e.bar.gaps.size else None,
+        if e.query_resolutions:
+            out["query_resolution"] = {
+                names[d]: {"resolution": r, "types_whole": whole}
+                for d, (r, whole) in e.query_resolutions.items()
             }
+        if e.contrast:
+            votes["contrast_auc"] = column("contrast_auc")
         return out
 
     def describe(self, e: DiscoveryState) -> str:
@@ -324,13 +340,18 @@ class QueryVote(Rule):
                 f"claim them (mean conformal p <= {QUERY_MEAN_P:g}, below 1/2 at level "
                 f"{QUERY_LEVEL:g})"
                 " and below that type's cells in the batch's clusters this leaves "
-                f"(Mann-Whitney at level {QUERY_LEVEL:g}, P(above) <= {QUERY_MEAN_P:g}), "
-                "further (median cosine) than any Leiden piece of a labelled type sits below the "
-                "rest of its type (estimate['contrast_bar'])"
+                f"(Mann-Whitney at level {QUERY_LEVEL:g}, P(above) <= {QUERY_MEAN_P:g})"
             )
+        if cfg.query_resolution == "reference":
+            res = (
+                "the finest at which a sample of the labelled cells of the batch's size keeps "
+                "every labelled type whole, estimate['query_resolution']"
+            )
+        else:
+            res = f"{cfg.query_resolution:g}"
         return (
-            f"; in batches without labels, Leiden clusters (resolution "
-            f"{cfg.query_resolution:g}) of the batch with {share}"
+            f"; in batches without labels, Leiden clusters (resolution {res}) of the batch "
+            f"with {share}"
         )
 
 
