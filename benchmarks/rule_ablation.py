@@ -5,8 +5,9 @@
 ``DEFAULTS.csv``: ``runs.csv`` of ``orca-sc benchmark --suite dev --method ORCA`` with the
 defaults; each ``NAME=RUNS.csv`` the same tasks and seeds (or those the rule can act on) with
 one rule switched off (``--set drop=NAME``, ``--set anchor_epochs=0``, ...); ``CEILING.csv`` the
-supervised reference's runs. With ``--simulated`` (and ``none`` for the ceiling) the
-simulations are judged instead, as one family, every task counted as feasible. Prints, per
+supervised reference's runs, or ``none``: every task counted as feasible (the large tier,
+which has no ceiling runs). With ``--simulated`` (and ``none`` for the ceiling) the simulations
+are judged instead, as one family. Prints, per
 rule, the families that need it (:func:`orca_sc.benchmark._compare.rule_need`: without it,
 fewer detection goals met on their feasible tasks, a task's all-class accuracy more than 2
 points lower, or a detection figure worse by more than 2 points beyond noise), the families
@@ -42,8 +43,9 @@ def report(
     else:
         ceil = _per_task(orca_runs(ceiling, method=REFERENCE))
     seeds = sorted(base_runs["seed"].unique())
-    scope = "the simulations only, every task counted as feasible" if ceiling is None else (
-        "real tasks only")  # fmt: skip
+    scope = "the simulations only" if simulated else "real tasks only"
+    if ceiling is None:
+        scope += ", every task counted as feasible"
     lines = [
         f"Seeds {', '.join(map(str, seeds))}; {scope}. Goals: detection goals met on the tasks "
         "where the ceiling meets them; lower / higher: tasks whose all-class accuracy "
@@ -61,6 +63,10 @@ def report(
         off = _per_task(off_runs)
         need = rule_need(base_runs, off_runs, ceil, simulated=simulated)
         t = need.table
+        if t.empty:
+            kind = "simulated" if simulated else "real"
+            msg = f"{name}: no {kind} task is in both the defaults' and the ablation's runs."
+            raise SystemExit(msg)
         tot = t.sum()
         lines.append(
             f"| {name} | {int(tot['tasks'])} | {int(tot['goals_with'])} → "
@@ -108,7 +114,7 @@ def report(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("defaults", type=Path)
-    p.add_argument("ceiling", help="the ceiling's runs.csv, or 'none' with --simulated")
+    p.add_argument("ceiling", help="the ceiling's runs.csv, or 'none' (every task feasible)")
     p.add_argument("ablations", nargs="+", help="NAME=RUNS.csv")
     p.add_argument("--out", type=Path)
     p.add_argument("--simulated", action="store_true",
