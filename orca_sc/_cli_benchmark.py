@@ -150,7 +150,9 @@ def _csv_list(value: str | None, cast=str) -> list | None:
 @click.option(
     "--only",
     multiple=True,
-    help="Run only the task of this name, or the tasks whose name contains this text (repeatable).",
+    help="Run only the task of this name, or the tasks whose name contains this text; "
+    "family:real every task of a real dataset family, family:TEXT those of the families whose "
+    "name contains TEXT (repeatable).",
 )
 @click.option(
     "--set",

@@ -300,6 +300,25 @@ def test_only_selects_a_task_by_its_exact_name_before_parts_of_names():
     assert names(["no_such_task"]) == []
 
 
+def test_only_selects_the_tasks_of_a_dataset_family():
+    """``--only family:real`` selects every task of a real dataset family (the families a
+    default is judged on; not the simulations, not a user's own task), ``family:TEXT`` the
+    tasks of the families whose name holds the text; with names, the union.
+    """
+    from orca_sc.benchmark._suite import select_tasks
+    from orca_sc.benchmark._tasks import TaskSpec
+
+    names = ["sibling_worm", "worm_neuron_protocol", "tm_marrow_to_kidney", "pbmc_sorted_to_3k",
+             "few5_baron", "sim_base", "sim_novel1", "my_h5ad"]  # fmt: skip
+    specs = [TaskSpec(n, "cross-batch", lambda seed: None, "") for n in names]
+    pick = lambda only: [s.name for s in select_tasks(specs, only)]  # noqa: E731
+    assert pick(["family:real"]) == names[:5]
+    assert pick(["family:Worm"]) == ["sibling_worm", "worm_neuron_protocol"]
+    assert pick(["family:simulated"]) == ["sim_base", "sim_novel1"]
+    assert pick(["family:worm", "sim_base"]) == ["sibling_worm", "worm_neuron_protocol", "sim_base"]
+    assert pick(["family:nothing"]) == []
+
+
 def test_scale_task_changes_only_the_number_of_cells():
     """The scale task: the same simulated setting at every size (only the cells change), its
     large sizes in the large tier only, at two depths.

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ._splits import Task, batch_split, grow_task, protocol_split
-from ._tasks import TaskSpec, builtin_tasks, reversed_tasks
+from ._tasks import TaskSpec, builtin_tasks, dataset_family, reversed_tasks
 
 
 @dataclass(frozen=True)
@@ -270,10 +270,25 @@ def dev_suite(
 
 def select_tasks(specs: Sequence[TaskSpec], only: Sequence[str]) -> list[TaskSpec]:
     """The tasks of ``specs`` named by ``only``: for each string, the task of exactly that
-    name where there is one (``sim_novel1`` is not also ``sim_novel10``), else every task
-    whose name contains it (``scale50k``, ``grown``).
+    name where there is one (``sim_novel1`` is not also ``sim_novel10``), ``family:real``
+    every task of a real dataset family (the families a default is judged on), ``family:TEXT``
+    every task whose dataset family contains ``TEXT`` (``family:worm``, any case), else every
+    task whose name contains it (``scale50k``, ``grown``).
     """
     names = {s.name for s in specs}
     exact = {o for o in only if o in names}
-    parts = [o for o in only if o not in exact]
-    return [s for s in specs if s.name in exact or any(o in s.name for o in parts)]
+    families = [o.removeprefix(FAMILY).lower() for o in only if o.startswith(FAMILY)]
+    parts = [o for o in only if o not in exact and not o.startswith(FAMILY)]
+
+    def in_family(name: str) -> bool:
+        family = dataset_family(name)
+        real = family not in ("simulated", "other")
+        return any((f == "real" and real) or (f != "real" and f in family.lower())
+                   for f in families)  # fmt: skip
+
+    return [s for s in specs
+            if s.name in exact or in_family(s.name) or any(o in s.name for o in parts)]  # fmt: skip
+
+
+#: ``--only family:...`` selects tasks by dataset family (:func:`select_tasks`)
+FAMILY = "family:"
