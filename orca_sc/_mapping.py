@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ._align import aligned_rows
+from ._discover.labels import query_batch_cells
 from .module import OrcaNet
 
 #: optimiser steps of the query's offset (full batch of its sampled cells)
@@ -69,8 +70,7 @@ def _after_first_layer(net: OrcaNet, h: torch.Tensor) -> torch.Tensor:
     """The frozen net (eval mode) from its first layer's output ``h`` to its cosines to the
     seen heads.
     """
-    bb = net.backbone
-    z = bb._block2(bb.net[2](bb.net[1](h)))
+    z = net.backbone.after_first_layer(h)
     return F.normalize(z, dim=1) @ F.normalize(net.head.weight, dim=1).T
 
 
@@ -109,8 +109,7 @@ def fit_query_offsets(
     and after).
     """
     new = np.array(offset, dtype=np.float32, copy=True)
-    n_lab = np.bincount(domain[labels >= 0], minlength=offset.shape[0])
-    queries = [d for d in range(offset.shape[0]) if n_lab[d] == 0 and (domain == d).any()]
+    queries = [int(d) for d in np.unique(domain[query_batch_cells(labels, domain)])]
     record: dict[str, Any] = {"method": "frozen", "steps": steps, "batches": {}}
     if not queries or not nets:
         return new, record
@@ -144,7 +143,7 @@ def _fit(nets, X, labels, domain, scale, offset, queries, V, new, record, seed, 
     dev = nets[0].head.weight.device
     V = V.to(dev)
     with torch.no_grad():
-        layers = [net.backbone.net[0] for net in nets]
+        layers = [net.backbone.first_layer for net in nets]
         moves = [V @ first.weight_t for first in layers]  # (r, H): a unit of each coordinate
     for d in queries:  # loop over batches
         rows = np.flatnonzero(domain == d)

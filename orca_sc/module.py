@@ -246,6 +246,17 @@ class MLPBackbone(nn.Module):
         h = first_linear(self.net[0], x)
         return self.net[2](self.net[1](h, passes))
 
+    @property
+    def first_layer(self) -> GeneLinear:
+        """The first layer (genes -> ``h1``)."""
+        return self.net[0]
+
+    def after_first_layer(self, h: torch.Tensor) -> torch.Tensor:
+        """The rest of the backbone from the first layer's output ``h`` ``(B, h1) -> (B, D)``:
+        what :meth:`forward` does after the first layer (one pass).
+        """
+        return self._block2(self.net[2](self.net[1](h)))
+
     def _block2(self, h: torch.Tensor) -> torch.Tensor:
         """Dropout -> Linear -> BatchNorm -> ReLU -> Dropout."""
         for layer in self.net[3:]:

@@ -265,14 +265,14 @@ def query_ood_clusters(
     reads the cells' scores against labelled cells no net trained on, so it does not. Such a
     cluster must also (the contrast vote; ``claimed``, each cell's best seen head, is then
     required) score below the cells of the type that claims it in the batch's clusters the
-    conformal vote does not flag (:func:`contrast_vote`). With ``share_level``, a cluster the share vote takes that has
-    p-values (at least :data:`SHARE_TEST_MIN_VALUES`) must also have their mean below 1/2
-    (:func:`mean_p_below_half`) at that level: the share vote counts the cells in the tail below
-    the threshold, which a known type whose cosines the batch spreads fills too, while its
-    cells as a whole score like the labelled cells. ``votes``: a list to which each cluster's
-    size, mean p-value (``None``: under :data:`SHARE_TEST_MIN_VALUES` of them), contrast
-    probability (``None``: not compared), the share vote's decision, its test's p-value (``None``: not tested) and the decision are appended. With
-    ``max_cells``, a larger batch is clustered on a sample of that many cells
+    conformal vote does not flag (:func:`contrast_vote`). With ``share_level``, a cluster the
+    share vote takes that has p-values (at least :data:`SHARE_TEST_MIN_VALUES`) must also have
+    their mean below 1/2 (:func:`mean_p_below_half`) at that level: the share vote counts the
+    cells in the tail below the threshold, which a known type whose cosines the batch spreads
+    fills too, while its cells as a whole score like the labelled cells. ``votes``: a list to
+    which each cluster's size, mean p-value (``None``: under :data:`SHARE_TEST_MIN_VALUES` of
+    them), contrast probability (``None``: not compared), the share vote's decision, its
+    test's p-value (``None``: not tested) and the decision are appended. With ``max_cells``, a larger batch is clustered on a sample of that many cells
     (:func:`sampled_clusters`) and each cluster is voted on its sample cells alone: every vote
     then reads as many cells as in a batch of ``max_cells``, and a candidate holds all the cells
     its cluster took. ``drop`` (an ablation) switches off ``"share_vote"`` or
