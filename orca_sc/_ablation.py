@@ -225,6 +225,21 @@ class Ablation:
         ``"nearest"`` every cell whose nearest centroid is the type's, ``"cluster"`` every cell
         of a query cluster most of whose cells match the type (a study of "ORCA core 5", not
         the default).
+    pretrain
+        ``"none"`` (ORCA), or ``"scarf"``: the backbone pretrained on every cell, labelled or
+        not, to tell each cell's two corrupted views from other cells' (NT-Xent on SCARF views,
+        as the paper pretrains its image backbones with SimCLR; :mod:`orca_sc._pretrain`), the
+        warm-ups starting from it (a study of "ORCA core 5", not the default); ``"mask"``: the
+        same with views whose replaced genes are set to zero (undetected, as in a shallower
+        library).
+    pretrain_steps, pretrain_corruption
+        The pretraining's optimiser steps and the share of each view's genes replaced.
+    pretrain_cells
+        The cells the pretraining reads: ``"all"`` (the paper's), or ``"labelled"`` (the
+        paper's appendix: the labelled cells alone).
+    pretrain_freeze
+        Keep the pretrained first layer fixed in the warm-ups and the open-world fit (the
+        paper's protocol).
     query_mapping
         ``"none"`` (ORCA), or ``"frozen"``: each batch without labelled cells learns an offset of
         its own on the frozen nets of the labelled cells, which discovery then reads it through
@@ -254,6 +269,11 @@ class Ablation:
     min_shared_genes: int = 100
     type_alignment: str = "none"
     query_mapping: str = "none"
+    pretrain: str = "none"
+    pretrain_steps: int = 300
+    pretrain_corruption: float = 0.6
+    pretrain_cells: str = "all"
+    pretrain_freeze: bool = True
     rules: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -272,6 +292,16 @@ class Ablation:
                      '"none", "matched", "nearest" or "cluster"')  # fmt: skip
         if self.query_mapping not in ("none", "frozen"):
             _invalid("query_mapping", self.query_mapping, '"none" or "frozen"')
+        if self.pretrain not in ("none", "scarf", "mask"):
+            _invalid("pretrain", self.pretrain, '"none", "scarf" or "mask"')
+        if not _is_int(self.pretrain_steps) or self.pretrain_steps < 1:
+            _invalid("pretrain_steps", self.pretrain_steps, "a positive integer")
+        if not (_is_number(self.pretrain_corruption) and 0 <= self.pretrain_corruption < 1):
+            _invalid("pretrain_corruption", self.pretrain_corruption, "a share in [0, 1)")
+        if self.pretrain_cells not in ("all", "labelled"):
+            _invalid("pretrain_cells", self.pretrain_cells, '"all" or "labelled"')
+        if not isinstance(self.pretrain_freeze, bool):
+            _invalid("pretrain_freeze", self.pretrain_freeze, "True or False")
         if self.pair_space not in ("both", "query_pca", "pca", "embedding"):
             _invalid("pair_space", self.pair_space, '"both", "query_pca", "pca" or "embedding"')
         for name in ("fixed_margin", "lam", "eta1", "eta2", "anchor_weight"):

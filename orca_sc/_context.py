@@ -114,6 +114,13 @@ class RunContext:
     _residuals: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: what the PCA reads and why, decided once (a context on a sample shares its run's)
     _pca_input: list = field(default_factory=list, repr=False, compare=False)
+    #: the pretrained backbone and its record (``Ablation.pretrain``), made once per run
+    _pretrained: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def pretrained(self) -> dict | None:
+        """The pretrained backbone's ``state_dict`` the warm-ups start from (``None``: none)."""
+        return self._pretrained[0][0] if self._pretrained else None
 
     @cached_property
     def rules(self) -> DiscoveryRules:
@@ -295,7 +302,8 @@ def sample_context(run: RunContext, sample: np.ndarray) -> RunContext:
     # one choice of what the PCA reads per run, made on the sample where discovery runs: the
     # pair partners of all cells then read what discovery read (and the test is not repeated)
     return RunContext(data, t, cells, cfg, schedule(sample.size, cfg, run.lab), rand, run.comm,
-                      run.lab, _pca_input=run._pca_input)  # fmt: skip
+                      run.lab, _pca_input=run._pca_input,
+                      _pretrained=run._pretrained)  # fmt: skip
 
 
 def seen_similarity(

@@ -29,7 +29,9 @@ def _side_warmup(run: RunContext, held: np.ndarray, seed: int) -> OrcaNet:
     labels = np.where(held, -1, run.data.labels)
     quiet = run.config.replace(progress=False)
     rand = TrainRandom(seed, run.cells.device)
-    return fit_warmup(run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm, run.lab)[0]
+    return fit_warmup(
+        run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm, run.lab, init=run.pretrained
+    )[0]
 
 
 #: the novelty score's neighbours are looked for among at most this many labelled cells per fold

@@ -52,6 +52,7 @@ from ._discover import (
 from ._discover.compute import neighbours_once, on_device
 from ._engine import stage
 from ._mapping import fit_query_offsets
+from ._pretrain import pretrain_backbone
 from ._train import NovelHeads, Schedule, TrainRandom, fit_open_world, fit_warmup
 from .module import OrcaNet
 
@@ -154,6 +155,14 @@ def _fit(run: RunContext) -> Fit:
     # of that size (docs/discovery.md, "Discovery at a fixed size")
     sample = discovery_sample(run)
     drun = run if sample is None else sample_context(run, sample)
+    if run.lab.pretrain != "none" and run.plan.warmup > 0:
+        with stage("pretraining"):
+            rows = (
+                None if run.lab.pretrain_cells == "all" else np.flatnonzero(drun.data.labels >= 0)
+            )
+            run._pretrained.append(
+                pretrain_backbone(drun.cells, run.config, run.lab, run.config.seed, rows)
+            )
     with stage("warm-up"):
         warm = warm_up(drun)
     with stage("self-check"):
@@ -200,6 +209,8 @@ def _fit(run: RunContext) -> Fit:
     cells = run.cells
     training = {"device": str(cells.device), "layout": cells.layout, "density": cells.density,
                 "processes": run.comm.world}  # fmt: skip
+    if run._pretrained:
+        training["pretrain"] = run._pretrained[0][1]
     return Fit(
         run.data, run.transform, run.config, run.plan, ow.net, warm.history + ow.history, found,
         check, _anchor_centroids(run), probs, embedding,
@@ -268,7 +279,7 @@ def warm_up(run: RunContext) -> WarmUp:
     )
     labels = np.where(held, -1, data.labels)
     net, history = fit_warmup(run.cells, labels, run.n_seen, cfg, run.plan, run.rand, run.comm,
-                              run.lab)  # fmt: skip
+                              run.lab, init=run.pretrained)  # fmt: skip
     return WarmUp(net, history, held)
 
 
@@ -335,7 +346,8 @@ def sample_discovery(run: RunContext, held: np.ndarray, sample: np.ndarray) -> D
     cells = sub.cells
     labels = np.where(held, -1, data.labels)[sample]
     rand = TrainRandom(cfg.seed + 400, cells.device)
-    net, _ = fit_warmup(cells, labels, run.n_seen, cfg, sub.plan, rand, lab=run.lab)
+    net, _ = fit_warmup(cells, labels, run.n_seen, cfg, sub.plan, rand, lab=run.lab,
+                        init=run.pretrained)  # fmt: skip
     emb, similarity = seen_similarity(net, cells, np.arange(sample.size))
     dc = run.rules
     pca_of, _ = sub.discovery_space(np.arange(sample.size), data.domain[sample])
@@ -383,7 +395,8 @@ def self_check(run: RunContext) -> dict[str, Any]:
     t0 = time.perf_counter()
     n_keep = int(split.labels.max()) + 1
     rand = TrainRandom(cfg.seed + 2, run.cells.device)
-    net, _ = fit_warmup(run.cells, split.labels, n_keep, cfg, run.plan, rand, run.comm, run.lab)
+    net, _ = fit_warmup(run.cells, split.labels, n_keep, cfg, run.plan, rand, run.comm, run.lab,
+                        init=run.pretrained)  # fmt: skip
     with warnings.catch_warnings():  # the probe's own notes are not the user's
         warnings.simplefilter("ignore")
         cand = find_candidates(

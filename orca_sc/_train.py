@@ -29,6 +29,7 @@ from ._loss import (
     CellBatch,
     OrcaLoss,
 )
+from ._pretrain import start_from
 from .module import (
     OrcaNet,
 )
@@ -167,15 +168,19 @@ def fit_warmup(
     rand: TrainRandom,
     comm: Comm | None = None,
     lab: Ablation = LAB,
+    init: dict | None = None,
 ) -> tuple[OrcaNet, list[dict]]:
     """A new :class:`OrcaNet` with one head per seen class, trained for at most ``plan.warmup``
     epochs on the labelled cells with the supervised term alone (the margin follows the
     unlabelled cells' uncertainty as in the full objective), stopped earlier by
     ``config``'s :class:`StopRule`. Returns the net and one history record per epoch.
-    ``comm``: the processes that train it together (see :mod:`orca_sc._dist`).
+    ``comm``: the processes that train it together (see :mod:`orca_sc._dist`). ``init``: a
+    pretrained backbone to start from (:func:`orca_sc._pretrain.start_from`, its first layer
+    kept fixed with ``lab.pretrain_freeze``).
     """
     with rand.torch_stream():
         net = OrcaNet(data.shape[1], n_seen, config.hidden_dims, config.dropout).to(data.device)
+        start_from(net, init, lab.pretrain_freeze)
         loss = OrcaLoss(data, labels, config, plan, comm, full=False, generator=rand.pairs,
                         lab=lab)  # fmt: skip
         history = _fit(net, loss, data, labels, range(plan.warmup), plan, config, rand, comm)
@@ -304,7 +309,8 @@ def _adam(net: OrcaNet, config: OrcaConfig) -> torch.optim.Adam:
     step against 6.3 ms for the per-parameter loop.
     """
     kw = {"lr": config.lr}
+    trainable = [p for p in net.parameters() if p.requires_grad]  # a frozen first layer is not
     try:
-        return torch.optim.Adam(net.parameters(), fused=True, **kw)
+        return torch.optim.Adam(trainable, fused=True, **kw)
     except RuntimeError:  # no fused kernel for this device
-        return torch.optim.Adam(net.parameters(), **kw)
+        return torch.optim.Adam(trainable, **kw)

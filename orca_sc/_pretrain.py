@@ -1,0 +1,140 @@
+"""Self-supervised pretraining of the backbone on every cell, labelled or not (a study of "ORCA
+core 5": ``Ablation.pretrain``; off by default).
+
+The paper pretrains its image backbones with SimCLR on the labelled and unlabelled images
+together and then freezes the first layers (Cao et al. 2022, §4 "Self-supervised
+pretraining"); its single-cell runs start from random weights. Cells have no crops or colour
+jitter: the two views of a cell are its expression with a random share of its genes replaced by
+the same genes' values in other cells of the mini-batch (SCARF, Bahri et al. 2022), and the
+backbone with a small projection head learns to tell which two views come from the same cell
+(NT-Xent, the SimCLR loss). A backbone trained on the labelled types alone keeps only what
+separates them, so a novel type its head claims looks like that type; one trained to tell every
+cell from every other keeps the query's own structure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._ablation import Ablation
+from ._cells import CellMatrix
+from ._config import OrcaConfig
+from .module import MLPBackbone
+
+#: width of the projection head's output (the contrastive loss reads it, nothing else does)
+PROJECTION_DIM = 64
+#: the NT-Xent temperature (SCARF's)
+TEMPERATURE = 1.0
+
+
+def dense_rows(cells: CellMatrix, idx: np.ndarray) -> torch.Tensor:
+    """The aligned rows ``idx`` of the training matrix as a dense ``(len(idx), G)`` tensor on its
+    device (one mini-batch; the matrix itself stays as it is).
+    """
+    if cells.layout == "sparse":
+        return torch.from_numpy(cells._aligned(idx)).to(cells.device)
+    return cells.batch(idx)
+
+
+def corrupt(
+    x: torch.Tensor, rate: float, gen: torch.Generator, kind: str = "scarf"
+) -> torch.Tensor:
+    """A view of a batch ``(B, G)``: each value, with probability ``rate``, replaced by the same
+    gene's value in a cell of the batch drawn at random (``kind="scarf"``, SCARF's), or by zero
+    (``"mask"``: the gene not detected, as in a shallower library).
+    """
+    shape, dev = x.shape, x.device
+    replace = torch.rand(shape, generator=gen, device=gen.device).to(dev) < rate
+    if kind == "mask":
+        return x.masked_fill(replace, 0.0)
+    donor = torch.randint(0, shape[0], shape, generator=gen, device=gen.device).to(dev)
+    return torch.where(replace, torch.gather(x, 0, donor), x)
+
+
+def nt_xent(a: torch.Tensor, b: torch.Tensor, temperature: float = TEMPERATURE) -> torch.Tensor:
+    """SimCLR's loss on two views ``(B, P)`` of the same cells: each view's partner is the other
+    view of its cell among the ``2B - 1`` other views.
+    """
+    z = F.normalize(torch.cat([a, b]), dim=1)
+    sim = z @ z.T / temperature
+    n = a.shape[0]
+    sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), float("-inf"))
+    target = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(z.device)
+    return F.cross_entropy(sim, target)
+
+
+def pretrain_backbone(
+    cells: CellMatrix, config: OrcaConfig, lab: Ablation, seed: int,
+    rows: np.ndarray | None = None,
+) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+    """A backbone trained for ``lab.pretrain_steps`` steps of NT-Xent on views
+    (:func:`corrupt`, ``lab.pretrain_corruption`` of the genes replaced) of mini-batches drawn
+    from the cells ``rows`` of ``cells`` (all by default), with its own random streams
+    (``seed``; the caller's are left as they were).
+    Returns its ``state_dict`` (which the warm-ups start from) and a record: steps, seconds,
+    the loss over the first and the last tenth of the steps.
+    """
+    t0 = time.perf_counter()
+    dev = cells.device
+    rows = np.arange(cells.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
+    n = rows.size
+    size = min(config.batch_size, n)
+    rng = np.random.default_rng([seed, 0x5CA2F])
+    gen_device = dev if dev.type == "cuda" else torch.device("cpu")
+    gen = torch.Generator(device=gen_device).manual_seed(seed + 0x5CA2F)
+    devices = [dev] if dev.type == "cuda" else []
+    losses = []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + 0x5CA2F)
+        backbone = MLPBackbone(cells.shape[1], config.hidden_dims, config.dropout).to(dev)
+        d = config.hidden_dims[1]
+        projection = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, PROJECTION_DIM)).to(dev)
+        params = itertools.chain(backbone.parameters(), projection.parameters())
+        opt = torch.optim.Adam(params, lr=config.lr)
+        backbone.train()
+        for _ in range(lab.pretrain_steps):  # loop over optimiser steps, not cells
+            idx = rows[np.sort(rng.choice(n, size, replace=False))]
+            x = dense_rows(cells, idx)
+            rate, kind = lab.pretrain_corruption, lab.pretrain
+            a = projection(backbone(corrupt(x, rate, gen, kind)))
+            b = projection(backbone(corrupt(x, rate, gen, kind)))
+            loss = nt_xent(a, b)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+    state = {k: v.detach().clone() for k, v in backbone.state_dict().items()}
+    tenth = max(1, len(losses) // 10)
+    values = torch.stack(losses).cpu().numpy() if losses else np.zeros(1)
+    record = {
+        "method": lab.pretrain,
+        "steps": lab.pretrain_steps,
+        "corruption": lab.pretrain_corruption,
+        "cells": int(n),
+        "frozen_first_layer": lab.pretrain_freeze,
+        "loss_first": float(values[:tenth].mean()),
+        "loss_last": float(values[-tenth:].mean()),
+        "seconds": time.perf_counter() - t0,
+    }
+    return state, record
+
+
+def start_from(net: nn.Module, state: dict[str, torch.Tensor] | None, freeze: bool) -> None:
+    """``net``'s backbone set to the pretrained ``state`` (nothing where it is ``None``) and,
+    with ``freeze``, its first layer and that layer's BatchNorm scale and shift kept fixed from
+    then on (the paper freezes the pretrained first layers; their BatchNorm statistics still
+    follow the batches).
+    """
+    if state is None:
+        return
+    net.backbone.load_state_dict(state)
+    if freeze:
+        for p in itertools.chain(net.backbone.first_layer.parameters(),
+                                 net.backbone.net[1].parameters()):  # fmt: skip
+            p.requires_grad_(False)

@@ -1,0 +1,98 @@
+"""The backbone's self-supervised pretraining (``Ablation.pretrain``, a study's setting):
+its loss and views, its reproducibility, the warm-ups that start from it, and a whole run.
+"""
+
+import math
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from conftest import FAST, FAST_LAB
+
+import orca_sc
+from orca_sc import OrcaConfig
+from orca_sc._ablation import Ablation
+from orca_sc._cells import CellMatrix
+from orca_sc._pretrain import corrupt, nt_xent, pretrain_backbone
+from orca_sc._train import TrainRandom, fit_warmup, schedule
+
+
+def test_nt_xent_hand_computed_and_lowest_when_the_views_agree():
+    # two cells, views identical and orthogonal, temperature 1: each view's partner has cosine
+    # 1 and the two other views 0, so the loss is log((e + 2) / e)
+    e = torch.eye(2)
+    assert math.isclose(float(nt_xent(e, e)), math.log((math.e + 2) / math.e), rel_tol=1e-5)
+    # views that pair each cell with the other cell's view score worse
+    assert float(nt_xent(e, e.flip(0))) > float(nt_xent(e, e)) + 1.0
+
+
+def test_a_corrupted_view_takes_each_replaced_value_from_the_same_gene_of_another_cell():
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.gamma(1.0, 1.0, (300, 40)).astype(np.float32))
+    view = corrupt(x, 0.6, torch.Generator().manual_seed(1))
+    changed = view != x
+    assert abs(float(changed.float().mean()) - 0.6) < 0.05  # a few draws pick the cell itself
+    for g in range(x.shape[1]):  # loop over genes: every new value is in that gene's column
+        assert torch.isin(view[changed[:, g], g], x[:, g]).all()
+    again = corrupt(x, 0.6, torch.Generator().manual_seed(1))
+    assert torch.equal(view, again)
+
+
+def _cells(seed=0):
+    a = orca_sc.datasets.simulate(600, 200, 4, markers_per_type=20, marker_fold=4.0, seed=seed)
+    X = sp.csr_matrix(np.log1p(a.X), dtype=np.float32)
+    y = a.obs["cell_type"].cat.codes.to_numpy().astype(np.int64)
+    g = X.shape[1]
+    cells = CellMatrix(X, np.zeros(X.shape[0], dtype=int), np.ones((1, g), np.float32),
+                       np.zeros((1, g), np.float32), torch.device("cpu"))  # fmt: skip
+    return cells, y
+
+
+def test_pretraining_is_reproducible_learns_and_leaves_the_global_stream_alone():
+    cells, _ = _cells()
+    cfg = OrcaConfig(hidden_dims=(64, 32), progress=False)
+    lab = Ablation(pretrain="scarf", pretrain_steps=40)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    state, record = pretrain_backbone(cells, cfg, lab, seed=0)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    again, _ = pretrain_backbone(cells, cfg, lab, seed=0)
+    other, _ = pretrain_backbone(cells, cfg, lab, seed=1)
+    assert all(torch.equal(state[k], again[k]) for k in state)
+    assert not torch.equal(state["net.0.weight"], other["net.0.weight"])
+    assert record["steps"] == 40 and record["loss_last"] < record["loss_first"] - 0.3
+
+
+def test_a_warm_up_from_the_pretrained_backbone_keeps_its_first_layer_only_when_frozen():
+    cells, y = _cells()
+    labels = np.where(y < 3, y, -1)
+    cfg = OrcaConfig(hidden_dims=(64, 32), epochs=4, warmup_epochs=2, progress=False)
+    state, _ = pretrain_backbone(cells, cfg, Ablation(pretrain="scarf", pretrain_steps=20), 0)
+    for freeze in (True, False):
+        lab = FAST_LAB.replace(pretrain="scarf", pretrain_freeze=freeze)
+        plan = schedule(cells.shape[0], cfg, lab)
+        net, _ = fit_warmup(cells, labels, 3, cfg, plan, TrainRandom(0, cells.device), lab=lab,
+                            init=state)  # fmt: skip
+        after = net.backbone.state_dict()
+        kept = torch.equal(after["net.0.weight"], state["net.0.weight"])
+        assert kept == freeze
+        assert not torch.equal(after["net.4.weight"], state["net.4.weight"])  # the second layer
+        assert net.backbone.first_layer.weight_t.requires_grad == (not freeze)
+
+
+def test_a_run_with_a_pretrained_backbone_records_it_and_finds_the_hidden_type():
+    a = orca_sc.datasets.simulate(1600, 300, 5, n_batches=2, batch_weights=[0.5, 0.5],
+                                  markers_per_type=30, marker_fold=5.0, seed=4)  # fmt: skip
+    b = a.obs["batch"].astype(str).to_numpy()
+    t = a.obs["cell_type"].astype(str).to_numpy()
+    ref = a[(b == "batch_0") & (t != "type_4")].copy()
+    query = a[b == "batch_1"].copy()
+    lab = FAST_LAB.replace(pretrain="scarf", pretrain_steps=50, pretrain_freeze=False)
+    out = orca_sc.tl.annotate(query, ref, labels_key="cell_type", copy=True, seed=0,
+                              **{**FAST, "ablation": lab})  # fmt: skip
+    record = out.uns["orca"]["training"]["pretrain"]
+    assert record["method"] == "scarf" and record["steps"] == 50
+    assert record["frozen_first_layer"] is False and record["loss_last"] < record["loss_first"]
+    truth = query.obs["cell_type"].astype(str).to_numpy()
+    novel = out.obs["orca_novel"].notna().to_numpy()
+    assert novel[truth == "type_4"].mean() > 0.8 and novel[truth != "type_4"].mean() < 0.1
