@@ -237,6 +237,10 @@ class Ablation:
     pretrain_cells
         The cells the pretraining reads: ``"all"`` (the paper's), or ``"labelled"`` (the
         paper's appendix: the labelled cells alone).
+    pretrain_pairs
+        ``"cell"``: the two views are of one cell; ``"mnn"``: a cell with mutual nearest
+        neighbours in another batch (labelled batches against each batch without labels) takes
+        one of them as its second view, so that a pair shares a type across the batches.
     pretrain_freeze
         Keep the pretrained first layer fixed in the warm-ups and the open-world fit (the
         paper's protocol).
@@ -273,6 +277,7 @@ class Ablation:
     pretrain_steps: int = 300
     pretrain_corruption: float = 0.6
     pretrain_cells: str = "all"
+    pretrain_pairs: str = "cell"
     pretrain_freeze: bool = True
     rules: dict[str, Any] = field(default_factory=dict)
 
@@ -300,6 +305,8 @@ class Ablation:
             _invalid("pretrain_corruption", self.pretrain_corruption, "a share in [0, 1)")
         if self.pretrain_cells not in ("all", "labelled"):
             _invalid("pretrain_cells", self.pretrain_cells, '"all" or "labelled"')
+        if self.pretrain_pairs not in ("cell", "mnn"):
+            _invalid("pretrain_pairs", self.pretrain_pairs, '"cell" or "mnn"')
         if not isinstance(self.pretrain_freeze, bool):
             _invalid("pretrain_freeze", self.pretrain_freeze, "True or False")
         if self.pair_space not in ("both", "query_pca", "pca", "embedding"):

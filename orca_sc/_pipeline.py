@@ -52,7 +52,7 @@ from ._discover import (
 from ._discover.compute import neighbours_once, on_device
 from ._engine import stage
 from ._mapping import fit_query_offsets
-from ._pretrain import pretrain_backbone
+from ._pretrain import batch_partners, pretrain_backbone
 from ._train import NovelHeads, Schedule, TrainRandom, fit_open_world, fit_warmup
 from .module import OrcaNet
 
@@ -160,8 +160,12 @@ def _fit(run: RunContext) -> Fit:
             rows = (
                 None if run.lab.pretrain_cells == "all" else np.flatnonzero(drun.data.labels >= 0)
             )
+            partners = None
+            if run.lab.pretrain_pairs == "mnn":
+                d = drun.data
+                partners = batch_partners(drun.pca(drun.rules.n_pcs), d.labels, d.domain)
             run._pretrained.append(
-                pretrain_backbone(drun.cells, run.config, run.lab, run.config.seed, rows)
+                pretrain_backbone(drun.cells, run.config, run.lab, run.config.seed, rows, partners)
             )
     with stage("warm-up"):
         warm = warm_up(drun)

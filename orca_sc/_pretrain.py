@@ -69,14 +69,43 @@ def nt_xent(a: torch.Tensor, b: torch.Tensor, temperature: float = TEMPERATURE) 
     return F.cross_entropy(sim, target)
 
 
+def batch_partners(pcs: np.ndarray, labels: np.ndarray, domain: np.ndarray,
+                   k: int = 20) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Each cell's partners in other batches (``pretrain_pairs="mnn"``): the mutual nearest
+    neighbours (cosine in the PCA ``pcs``, ``k`` each way) between the cells of the batches with
+    labelled cells and those of each batch without any. Returns ``(ptr, idx)``: cell ``i``'s
+    partners are ``idx[ptr[i]:ptr[i + 1]]`` (none for most cells of a type one side lacks).
+    """
+    from ._discover.labels import query_batch_cells
+    from ._integrate import _mnn_pairs, _unit
+
+    n = pcs.shape[0]
+    query = query_batch_cells(labels, domain)
+    ref = np.flatnonzero(~query)
+    src, dst = [], []
+    for d in np.unique(domain[query]):  # loop over query batches, not cells
+        q = np.flatnonzero(domain == d)
+        i, j = _mnn_pairs(_unit(pcs[ref]), _unit(pcs[q]), k)
+        src += [ref[i], q[j]]
+        dst += [q[j], ref[i]]
+    src = np.concatenate(src) if src else np.empty(0, dtype=np.int64)
+    dst = np.concatenate(dst) if dst else np.empty(0, dtype=np.int64)
+    order = np.argsort(src, kind="stable")
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(ptr, src + 1, 1)
+    return np.cumsum(ptr), dst[order]
+
+
 def pretrain_backbone(
     cells: CellMatrix, config: OrcaConfig, lab: Ablation, seed: int,
-    rows: np.ndarray | None = None,
+    rows: np.ndarray | None = None, partners: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
     """A backbone trained for ``lab.pretrain_steps`` steps of NT-Xent on views
     (:func:`corrupt`, ``lab.pretrain_corruption`` of the genes replaced) of mini-batches drawn
     from the cells ``rows`` of ``cells`` (all by default), with its own random streams
-    (``seed``; the caller's are left as they were).
+    (``seed``; the caller's are left as they were). With ``partners`` (:func:`batch_partners`)
+    a cell that has some is paired with one of them drawn at random (its second view is the
+    partner's), so that the two views of a pair share a type across batches, not one cell.
     Returns its ``state_dict`` (which the warm-ups start from) and a record: steps, seconds,
     the loss over the first and the last tenth of the steps.
     """
@@ -89,7 +118,7 @@ def pretrain_backbone(
     gen_device = dev if dev.type == "cuda" else torch.device("cpu")
     gen = torch.Generator(device=gen_device).manual_seed(seed + 0x5CA2F)
     devices = [dev] if dev.type == "cuda" else []
-    losses = []
+    losses, n_paired = [], 0
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed + 0x5CA2F)
         backbone = MLPBackbone(cells.shape[1], config.hidden_dims, config.dropout).to(dev)
@@ -103,6 +132,13 @@ def pretrain_backbone(
             x = dense_rows(cells, idx)
             rate, kind = lab.pretrain_corruption, lab.pretrain
             a = projection(backbone(corrupt(x, rate, gen, kind)))
+            if partners is not None and partners[1].size:
+                ptr, pidx = partners
+                count = ptr[idx + 1] - ptr[idx]
+                pick = ptr[idx] + np.floor(rng.random(idx.size) * count).astype(np.int64)
+                other = np.where(count > 0, pidx[np.minimum(pick, pidx.size - 1)], idx)
+                x = dense_rows(cells, other)
+                n_paired += int((count > 0).sum())
             b = projection(backbone(corrupt(x, rate, gen, kind)))
             loss = nt_xent(a, b)
             opt.zero_grad(set_to_none=True)
@@ -117,6 +153,8 @@ def pretrain_backbone(
         "steps": lab.pretrain_steps,
         "corruption": lab.pretrain_corruption,
         "cells": int(n),
+        "pairs": lab.pretrain_pairs,
+        "paired_share": n_paired / max(1, lab.pretrain_steps * size),
         "frozen_first_layer": lab.pretrain_freeze,
         "loss_first": float(values[:tenth].mean()),
         "loss_last": float(values[-tenth:].mean()),

@@ -5,6 +5,7 @@ its loss and views, its reproducibility, the warm-ups that start from it, and a 
 import math
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 import torch
 from conftest import FAST, FAST_LAB
@@ -80,19 +81,43 @@ def test_a_warm_up_from_the_pretrained_backbone_keeps_its_first_layer_only_when_
         assert net.backbone.first_layer.weight_t.requires_grad == (not freeze)
 
 
-def test_a_run_with_a_pretrained_backbone_records_it_and_finds_the_hidden_type():
+@pytest.mark.parametrize("pairs", ["cell", "mnn"])
+def test_a_run_with_a_pretrained_backbone_records_it_and_finds_the_hidden_type(pairs):
     a = orca_sc.datasets.simulate(1600, 300, 5, n_batches=2, batch_weights=[0.5, 0.5],
                                   markers_per_type=30, marker_fold=5.0, seed=4)  # fmt: skip
     b = a.obs["batch"].astype(str).to_numpy()
     t = a.obs["cell_type"].astype(str).to_numpy()
     ref = a[(b == "batch_0") & (t != "type_4")].copy()
     query = a[b == "batch_1"].copy()
-    lab = FAST_LAB.replace(pretrain="scarf", pretrain_steps=50, pretrain_freeze=False)
+    lab = FAST_LAB.replace(pretrain="scarf", pretrain_steps=50, pretrain_freeze=False,
+                           pretrain_pairs=pairs)  # fmt: skip
     out = orca_sc.tl.annotate(query, ref, labels_key="cell_type", copy=True, seed=0,
                               **{**FAST, "ablation": lab})  # fmt: skip
     record = out.uns["orca"]["training"]["pretrain"]
     assert record["method"] == "scarf" and record["steps"] == 50
     assert record["frozen_first_layer"] is False and record["loss_last"] < record["loss_first"]
+    assert record["cells"] == query.n_obs + ref.n_obs and record["pairs"] == pairs
+    # pairs across the batches: a share of each batch's cells take a partner's view
+    assert (record["paired_share"] > 0.05) == (pairs == "mnn")
     truth = query.obs["cell_type"].astype(str).to_numpy()
     novel = out.obs["orca_novel"].notna().to_numpy()
     assert novel[truth == "type_4"].mean() > 0.8 and novel[truth != "type_4"].mean() < 0.1
+
+
+def test_batch_partners_pair_across_the_batches_both_ways_and_mostly_within_a_type():
+    from orca_sc._pretrain import batch_partners
+
+    rng = np.random.default_rng(0)
+    centre = np.eye(5) * 5
+    # labelled batch: types 0 and 1; query batch: type 0 and a type the reference lacks (2)
+    truth = np.r_[np.zeros(50, int), np.ones(50, int), np.zeros(40, int), np.full(30, 2)]
+    pcs = centre[truth] + rng.normal(0, 1, (truth.size, 5))
+    labels = np.r_[truth[:100], -np.ones(70, int)]
+    domain = np.r_[np.zeros(100, int), np.ones(70, int)]
+    ptr, idx = batch_partners(pcs, labels, domain, k=10)
+    assert ptr.shape == (171,) and ptr[-1] == idx.size > 0
+    pairs = {(i, int(j)) for i in range(170) for j in idx[ptr[i] : ptr[i + 1]]}
+    assert all(domain[i] != domain[j] for i, j in pairs)  # across the batches only
+    assert all((j, i) in pairs for i, j in pairs)  # mutual
+    shared = [(i, j) for i, j in pairs if truth[i] == 0 and domain[i] == 1]
+    assert shared and np.mean([truth[j] == 0 for _, j in shared]) > 0.9
