@@ -307,6 +307,9 @@ class Ablation:
             _invalid("pretrain_cells", self.pretrain_cells, '"all" or "labelled"')
         if self.pretrain_pairs not in ("cell", "mnn"):
             _invalid("pretrain_pairs", self.pretrain_pairs, '"cell" or "mnn"')
+        if self.pretrain_pairs == "mnn" and self.pretrain_cells != "all":
+            _invalid("pretrain_pairs", self.pretrain_pairs,
+                     '"cell" with pretrain_cells="labelled" (partners are of other batches)')  # fmt: skip
         if not isinstance(self.pretrain_freeze, bool):
             _invalid("pretrain_freeze", self.pretrain_freeze, "True or False")
         if self.pair_space not in ("both", "query_pca", "pca", "embedding"):

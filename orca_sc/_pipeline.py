@@ -157,16 +157,7 @@ def _fit(run: RunContext) -> Fit:
     drun = run if sample is None else sample_context(run, sample)
     if run.lab.pretrain != "none" and run.plan.warmup > 0:
         with stage("pretraining"):
-            rows = (
-                None if run.lab.pretrain_cells == "all" else np.flatnonzero(drun.data.labels >= 0)
-            )
-            partners = None
-            if run.lab.pretrain_pairs == "mnn":
-                d = drun.data
-                partners = batch_partners(drun.pca(drun.rules.n_pcs), d.labels, d.domain)
-            run._pretrained.append(
-                pretrain_backbone(drun.cells, run.config, run.lab, run.config.seed, rows, partners)
-            )
+            run._pretrained.append(pretrain(drun))
     with stage("warm-up"):
         warm = warm_up(drun)
     with stage("self-check"):
@@ -273,6 +264,20 @@ def on_all_cells(
         folds[sample] = side.folds
         side = FoldNets(folds, side.nets, None)
     return cand, side
+
+
+def pretrain(run: RunContext) -> tuple[dict, dict]:
+    """The backbone pretrained on the run's cells (``Ablation.pretrain``, a study; on the
+    labelled cells alone with ``pretrain_cells="labelled"``, with partners across batches with
+    ``pretrain_pairs="mnn"``): its ``state_dict`` and record
+    (:func:`orca_sc._pretrain.pretrain_backbone`).
+    """
+    lab, d = run.lab, run.data
+    rows = None if lab.pretrain_cells == "all" else np.flatnonzero(d.labels >= 0)
+    partners = None
+    if lab.pretrain_pairs == "mnn":
+        partners = batch_partners(run.pca(run.rules.n_pcs), d.labels, d.domain)
+    return pretrain_backbone(run.cells, run.config, lab, run.config.seed, rows, partners)
 
 
 def warm_up(run: RunContext) -> WarmUp:

@@ -106,8 +106,9 @@ def pretrain_backbone(
     (``seed``; the caller's are left as they were). With ``partners`` (:func:`batch_partners`)
     a cell that has some is paired with one of them drawn at random (its second view is the
     partner's), so that the two views of a pair share a type across batches, not one cell.
-    Returns its ``state_dict`` (which the warm-ups start from) and a record: steps, seconds,
-    the loss over the first and the last tenth of the steps.
+    Returns its ``state_dict`` (which the warm-ups start from) and a record: the settings, the
+    cells read, the share of views that were a partner's, the loss over the first and the last
+    tenth of the steps, and the seconds.
     """
     t0 = time.perf_counter()
     dev = cells.device
@@ -173,6 +174,6 @@ def start_from(net: nn.Module, state: dict[str, torch.Tensor] | None, freeze: bo
         return
     net.backbone.load_state_dict(state)
     if freeze:
-        for p in itertools.chain(net.backbone.first_layer.parameters(),
-                                 net.backbone.net[1].parameters()):  # fmt: skip
+        bb = net.backbone
+        for p in itertools.chain(bb.first_layer.parameters(), bb.first_norm.parameters()):
             p.requires_grad_(False)

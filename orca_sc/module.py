@@ -251,6 +251,11 @@ class MLPBackbone(nn.Module):
         """The first layer (genes -> ``h1``)."""
         return self.net[0]
 
+    @property
+    def first_norm(self) -> ShardBatchNorm1d:
+        """The BatchNorm after the first layer."""
+        return self.net[1]
+
     def after_first_layer(self, h: torch.Tensor) -> torch.Tensor:
         """The rest of the backbone from the first layer's output ``h`` ``(B, h1) -> (B, D)``:
         what :meth:`forward` does after the first layer (one pass).

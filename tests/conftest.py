@@ -23,6 +23,17 @@ def open_world(adata, seen, labeled_fraction=0.5, seed=0, key="cell_type"):
     return adata
 
 
+def hidden_type_pair():
+    """A simulated reference (batch 0, type_4 left out) and query (batch 1, type_4 in it) of
+    five types with clear markers: the query holds one type the reference lacks.
+    """
+    a = orca_sc.datasets.simulate(1600, 300, 5, n_batches=2, batch_weights=[0.5, 0.5],
+                                  markers_per_type=30, marker_fold=5.0, seed=4)  # fmt: skip
+    b = a.obs["batch"].astype(str).to_numpy()
+    t = a.obs["cell_type"].astype(str).to_numpy()
+    return a[(b == "batch_0") & (t != "type_4")].copy(), a[b == "batch_1"].copy()
+
+
 def record_returns(monkeypatch, module, name):
     """Replace ``module.name`` by a wrapper that records what each call returns; returns the
     list the return values are appended to.

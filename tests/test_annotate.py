@@ -12,6 +12,7 @@ from conftest import (
     FAST_OPTIONS,
     LABELS_ONLY,
     SHARED_DATA,
+    hidden_type_pair,
     open_world,
     rare_in_reference,
     record_returns,
@@ -673,12 +674,7 @@ def test_a_query_mapped_onto_the_frozen_nets_is_recorded_and_read_by_the_run():
     gets an offset of its own, recorded with the alignment; its known cells' matched cosine
     rises; the hidden type is still found and most known cells stay known.
     """
-    a = orca_sc.datasets.simulate(1600, 300, 5, n_batches=2, batch_weights=[0.5, 0.5],
-                                  markers_per_type=30, marker_fold=5.0, seed=4)  # fmt: skip
-    b = a.obs["batch"].astype(str).to_numpy()
-    t = a.obs["cell_type"].astype(str).to_numpy()
-    ref = a[(b == "batch_0") & (t != "type_4")].copy()
-    query = a[b == "batch_1"].copy()
+    ref, query = hidden_type_pair()
     lab = FAST_LAB.replace(query_mapping="frozen")
     out = orca_sc.tl.annotate(query, ref, labels_key="cell_type", copy=True, seed=0,
                               **{**FAST, "ablation": lab})  # fmt: skip

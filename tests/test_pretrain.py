@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-from conftest import FAST, FAST_LAB
+from conftest import FAST, FAST_LAB, hidden_type_pair
 
 import orca_sc
 from orca_sc import OrcaConfig
@@ -83,12 +83,7 @@ def test_a_warm_up_from_the_pretrained_backbone_keeps_its_first_layer_only_when_
 
 @pytest.mark.parametrize("pairs", ["cell", "mnn"])
 def test_a_run_with_a_pretrained_backbone_records_it_and_finds_the_hidden_type(pairs):
-    a = orca_sc.datasets.simulate(1600, 300, 5, n_batches=2, batch_weights=[0.5, 0.5],
-                                  markers_per_type=30, marker_fold=5.0, seed=4)  # fmt: skip
-    b = a.obs["batch"].astype(str).to_numpy()
-    t = a.obs["cell_type"].astype(str).to_numpy()
-    ref = a[(b == "batch_0") & (t != "type_4")].copy()
-    query = a[b == "batch_1"].copy()
+    ref, query = hidden_type_pair()
     lab = FAST_LAB.replace(pretrain="scarf", pretrain_steps=50, pretrain_freeze=False,
                            pretrain_pairs=pairs)  # fmt: skip
     out = orca_sc.tl.annotate(query, ref, labels_key="cell_type", copy=True, seed=0,
@@ -121,3 +116,19 @@ def test_batch_partners_pair_across_the_batches_both_ways_and_mostly_within_a_ty
     assert all((j, i) in pairs for i, j in pairs)  # mutual
     shared = [(i, j) for i, j in pairs if truth[i] == 0 and domain[i] == 1]
     assert shared and np.mean([truth[j] == 0 for _, j in shared]) > 0.9
+
+
+def test_the_pretraining_settings_are_checked_with_one_clear_error_each():
+    from orca_sc._errors import ConfigError
+
+    for bad, fragment in (
+        ({"pretrain": "simclr"}, '"none", "scarf" or "mask"'),
+        ({"pretrain_steps": 0}, "a positive integer"),
+        ({"pretrain_corruption": 1.0}, "[0, 1)"),
+        ({"pretrain_cells": "query"}, '"all" or "labelled"'),
+        ({"pretrain_pairs": "mnn", "pretrain_cells": "labelled"}, "partners are of other"),
+        ({"pretrain_freeze": "yes"}, "True or False"),
+    ):
+        with pytest.raises(ConfigError, match=None) as err:
+            Ablation(**bad)
+        assert fragment in str(err.value), (bad, str(err.value))
