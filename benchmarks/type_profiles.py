@@ -35,12 +35,10 @@ def type_profiles(adata, labels_key: str, batch_key: str, a: str, b: str, min_ce
     import scanpy as sc
     import scipy.sparse as sp
 
+    from orca_sc._read import to_log_normalized
+
     ad = adata[adata.obs[batch_key].astype(str).isin([a, b])].copy()
-    X = ad.X
-    sample = X[:1000].data if sp.issparse(X) else np.asarray(X[:1000]).ravel()
-    if sample.size and np.allclose(sample, np.round(sample)):  # counts
-        sc.pp.normalize_total(ad, target_sum=1e4)
-        sc.pp.log1p(ad)
+    ad.X, _ = to_log_normalized(sp.csr_matrix(ad.X, dtype=np.float32), 1e4)  # as orca_sc reads it
     sc.pp.highly_variable_genes(ad, n_top_genes=min(n_genes, ad.n_vars))
     ad = ad[:, ad.var["highly_variable"]]
     X = ad.X

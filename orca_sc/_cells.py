@@ -237,6 +237,15 @@ class CellMatrix:
             out = out * self.scale[d] + self.offset[d]
         return out
 
+    def dense_batch(self, idx: np.ndarray) -> torch.Tensor:
+        """The rows ``idx`` as :meth:`batch` gives them, but always a dense ``(len(idx), G)``
+        tensor on the device (one mini-batch; the matrix itself stays as it is): for what
+        changes the values before the first layer.
+        """
+        if self.layout == "sparse":
+            return torch.from_numpy(self._aligned(idx)).to(self.device)
+        return self.batch(idx)
+
     def _sparse_rows(self, idx: np.ndarray) -> SparseRows:
         m = self.X[idx]
         d = self.domain_np[idx]

@@ -19,27 +19,18 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ._ablation import Ablation
 from ._cells import CellMatrix
 from ._config import OrcaConfig
-from .module import MLPBackbone
+from .losses import nt_xent
+from .module import MLPBackbone, Projector
 
 #: width of the projection head's output (the contrastive loss reads it, nothing else does)
 PROJECTION_DIM = 64
 #: the NT-Xent temperature (SCARF's)
 TEMPERATURE = 1.0
-
-
-def dense_rows(cells: CellMatrix, idx: np.ndarray) -> torch.Tensor:
-    """The aligned rows ``idx`` of the training matrix as a dense ``(len(idx), G)`` tensor on its
-    device (one mini-batch; the matrix itself stays as it is).
-    """
-    if cells.layout == "sparse":
-        return torch.from_numpy(cells._aligned(idx)).to(cells.device)
-    return cells.batch(idx)
 
 
 def corrupt(
@@ -55,18 +46,6 @@ def corrupt(
         return x.masked_fill(replace, 0.0)
     donor = torch.randint(0, shape[0], shape, generator=gen, device=gen.device).to(dev)
     return torch.where(replace, torch.gather(x, 0, donor), x)
-
-
-def nt_xent(a: torch.Tensor, b: torch.Tensor, temperature: float = TEMPERATURE) -> torch.Tensor:
-    """SimCLR's loss on two views ``(B, P)`` of the same cells: each view's partner is the other
-    view of its cell among the ``2B - 1`` other views.
-    """
-    z = F.normalize(torch.cat([a, b]), dim=1)
-    sim = z @ z.T / temperature
-    n = a.shape[0]
-    sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), float("-inf"))
-    target = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(z.device)
-    return F.cross_entropy(sim, target)
 
 
 def batch_partners(pcs: np.ndarray, labels: np.ndarray, domain: np.ndarray,
@@ -124,13 +103,13 @@ def pretrain_backbone(
         torch.manual_seed(seed + 0x5CA2F)
         backbone = MLPBackbone(cells.shape[1], config.hidden_dims, config.dropout).to(dev)
         d = config.hidden_dims[1]
-        projection = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, PROJECTION_DIM)).to(dev)
+        projection = Projector(d, PROJECTION_DIM).to(dev)
         params = itertools.chain(backbone.parameters(), projection.parameters())
         opt = torch.optim.Adam(params, lr=config.lr)
         backbone.train()
         for _ in range(lab.pretrain_steps):  # loop over optimiser steps, not cells
             idx = rows[np.sort(rng.choice(n, size, replace=False))]
-            x = dense_rows(cells, idx)
+            x = cells.dense_batch(idx)
             rate, kind = lab.pretrain_corruption, lab.pretrain
             a = projection(backbone(corrupt(x, rate, gen, kind)))
             if partners is not None and partners[1].size:
@@ -138,10 +117,10 @@ def pretrain_backbone(
                 count = ptr[idx + 1] - ptr[idx]
                 pick = ptr[idx] + np.floor(rng.random(idx.size) * count).astype(np.int64)
                 other = np.where(count > 0, pidx[np.minimum(pick, pidx.size - 1)], idx)
-                x = dense_rows(cells, other)
+                x = cells.dense_batch(other)
                 n_paired += int((count > 0).sum())
             b = projection(backbone(corrupt(x, rate, gen, kind)))
-            loss = nt_xent(a, b)
+            loss = nt_xent(a, b, TEMPERATURE)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

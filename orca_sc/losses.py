@@ -1,6 +1,8 @@
 """ORCA's objective (paper Eq. 1-4) on one mini-batch: the supervised cross-entropy with a margin,
 the pairwise loss on most-similar pairs (true pairs for labelled cells, the nearest neighbour
-for unlabelled ones), the entropy regulariser of the mean prediction, and the adaptive margin.
+for unlabelled ones), the entropy regulariser of the mean prediction, and the adaptive margin;
+and SimCLR's NT-Xent, which the vision submodule's pretraining and the cells' pretraining study
+(:mod:`orca_sc._pretrain`) share.
 """
 
 from __future__ import annotations
@@ -252,3 +254,15 @@ def orca_objective(
     pair = pairwise_loss(prob, prob2.index_select(0, pair_idx))
     reg = entropy_regularizer(prob, prior) if regularizer else zero
     return ObjectiveTerms(sup + eta1 * pair + eta2 * reg, sup, pair, reg)
+
+
+def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float = 0.5) -> torch.Tensor:
+    """SimCLR's NT-Xent loss: for each of the ``2B`` projections, cross-entropy of its cosine
+    similarities / ``temperature`` to the other ``2B - 1``, with its other view as the positive.
+    """
+    z = F.normalize(torch.cat([z1, z2]), dim=1)  # (2B, P)
+    n = z1.shape[0]
+    sim = (z @ z.T) / temperature
+    sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), -math.inf)
+    target = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]).to(z.device)
+    return F.cross_entropy(sim, target)

@@ -341,3 +341,14 @@ class OrcaNet(nn.Module):
         new = torch.cat([w, prototypes.to(w)], dim=0)  # (K + n_new, D)
         net.head = NormedLinear(w.shape[1], new.shape[0], self.head.scale, weight=new)
         return net
+
+
+class Projector(nn.Module):
+    """SimCLR's projection head: Linear -> ReLU -> Linear to ``dim``."""
+
+    def __init__(self, n_in: int, dim: int = 128) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(n_in, n_in), nn.ReLU(), nn.Linear(n_in, dim))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.net(z)

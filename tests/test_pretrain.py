@@ -14,17 +14,19 @@ import orca_sc
 from orca_sc import OrcaConfig
 from orca_sc._ablation import Ablation
 from orca_sc._cells import CellMatrix
-from orca_sc._pretrain import corrupt, nt_xent, pretrain_backbone
+from orca_sc._pretrain import TEMPERATURE, corrupt, pretrain_backbone
 from orca_sc._train import TrainRandom, fit_warmup, schedule
+from orca_sc.losses import nt_xent
 
 
 def test_nt_xent_hand_computed_and_lowest_when_the_views_agree():
     # two cells, views identical and orthogonal, temperature 1: each view's partner has cosine
     # 1 and the two other views 0, so the loss is log((e + 2) / e)
     e = torch.eye(2)
-    assert math.isclose(float(nt_xent(e, e)), math.log((math.e + 2) / math.e), rel_tol=1e-5)
+    loss = float(nt_xent(e, e, TEMPERATURE))
+    assert TEMPERATURE == 1.0 and math.isclose(loss, math.log((math.e + 2) / math.e), rel_tol=1e-5)
     # views that pair each cell with the other cell's view score worse
-    assert float(nt_xent(e, e.flip(0))) > float(nt_xent(e, e)) + 1.0
+    assert float(nt_xent(e, e.flip(0), TEMPERATURE)) > loss + 1.0
 
 
 def test_a_corrupted_view_takes_each_replaced_value_from_the_same_gene_of_another_cell():

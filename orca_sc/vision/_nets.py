@@ -171,17 +171,6 @@ class VisionOrcaNet(nn.Module):
         return self.head(z), z
 
 
-class Projector(nn.Module):
-    """SimCLR's projection head: Linear -> ReLU -> Linear to ``dim``."""
-
-    def __init__(self, n_in: int, dim: int = 128) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(n_in, n_in), nn.ReLU(), nn.Linear(n_in, dim))
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.net(z)
-
-
 def freeze_all_but_last_block(net: VisionOrcaNet) -> list[nn.Parameter]:
     """Freeze the backbone except its last block; returns the parameters left to train (the
     last block and the head).

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .._cells import reproducibly, resolve_device
 from .._engine import Callback, fit_phase
 from .._errors import OrcaInputError
-from ..losses import adaptive_margin, orca_objective
+from ..losses import adaptive_margin, nt_xent, orca_objective
+from ..module import Projector
 from ._config import PretrainConfig, VisionConfig, preset
 from ._data import ImageData, ImageSource
 from ._eval import embed, evaluate_heads, predict, score
-from ._nets import Projector, VisionOrcaNet, freeze_all_but_last_block, make_backbone
+from ._nets import VisionOrcaNet, freeze_all_but_last_block, make_backbone
 from ._split import OpenWorldSplit, open_world_split
 
 logger = logging.getLogger(__name__)
@@ -317,18 +317,6 @@ def train_orca(
 
 
 # ---------------------------------------------------------------------------------- SimCLR
-def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float = 0.5) -> torch.Tensor:
-    """SimCLR's NT-Xent loss: for each of the ``2B`` projections, cross-entropy of its cosine
-    similarities / ``temperature`` to the other ``2B - 1``, with its other view as the positive.
-    """
-    z = F.normalize(torch.cat([z1, z2]), dim=1)  # (2B, P)
-    n = z1.shape[0]
-    sim = (z @ z.T) / temperature
-    sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), -math.inf)
-    target = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]).to(z.device)
-    return F.cross_entropy(sim, target)
-
-
 @dataclass
 class PretrainRun:
     backbone: torch.nn.Module
