@@ -18,7 +18,7 @@ import pandas as pd
 
 from orca_sc.benchmark._compare import family_verdict, feasible, orca_runs
 from orca_sc.benchmark._suite_table import REFERENCE, meets_goal
-from orca_sc.benchmark._tasks import dataset_family
+from orca_sc.benchmark._tasks import dataset_family, real_family
 
 
 def table(orca: pd.DataFrame, ceiling: pd.DataFrame) -> str:
@@ -27,7 +27,7 @@ def table(orca: pd.DataFrame, ceiling: pd.DataFrame) -> str:
     o = runs.groupby("task")[cols]
     om, osd = o.mean(), o.std(ddof=0)
     cm = orca_runs(ceiling, method=REFERENCE).groupby("task")[cols].mean()
-    tasks = [t for t in om.index if t in cm.index and dataset_family(t) != "simulated"]
+    tasks = [t for t in om.index if t in cm.index and real_family(t)]
     # a goal the ceiling meets and ORCA misses (a task without novel types has no novel goal)
     ok = feasible(cm.loc[tasks])
     miss = {g: ok[g] & ~meets_goal(g, om.loc[tasks, g].fillna(0)) for g in ok.columns}

@@ -24,7 +24,7 @@ import pandas as pd
 
 from orca_sc.benchmark._compare import _per_task, orca_runs, rule_need
 from orca_sc.benchmark._suite_table import REFERENCE
-from orca_sc.benchmark._tasks import dataset_family
+from orca_sc.benchmark._tasks import real_family
 
 MOVED = ["novel_called", "known_called_novel", "novel_found", "all_acc"]
 
@@ -85,7 +85,7 @@ def report(
         ]
         common = [
             x for x in off.index
-            if x in base.index and (dataset_family(x) == "simulated") == simulated
+            if x in base.index and real_family(x) != simulated
         ]  # fmt: skip
         moved = [
             x for x in common

@@ -240,7 +240,9 @@ class Ablation:
     pretrain_pairs
         ``"cell"``: the two views are of one cell; ``"mnn"``: a cell with mutual nearest
         neighbours in another batch (labelled batches against each batch without labels) takes
-        one of them as its second view, so that a pair shares a type across the batches.
+        one of them as its second view, so that a pair shares a type across the batches;
+        ``"vouched"``: only those pairs whose query cell a warm-up from random weights scores as
+        the labelled cell's type, above that head's 5% quantile of its own labelled cells.
     pretrain_freeze
         Keep the pretrained first layer fixed in the warm-ups and the open-world fit (the
         paper's protocol).
@@ -305,9 +307,9 @@ class Ablation:
             _invalid("pretrain_corruption", self.pretrain_corruption, "a share in [0, 1)")
         if self.pretrain_cells not in ("all", "labelled"):
             _invalid("pretrain_cells", self.pretrain_cells, '"all" or "labelled"')
-        if self.pretrain_pairs not in ("cell", "mnn"):
-            _invalid("pretrain_pairs", self.pretrain_pairs, '"cell" or "mnn"')
-        if self.pretrain_pairs == "mnn" and self.pretrain_cells != "all":
+        if self.pretrain_pairs not in ("cell", "mnn", "vouched"):
+            _invalid("pretrain_pairs", self.pretrain_pairs, '"cell", "mnn" or "vouched"')
+        if self.pretrain_pairs != "cell" and self.pretrain_cells != "all":
             _invalid("pretrain_pairs", self.pretrain_pairs,
                      '"cell" with pretrain_cells="labelled" (partners are of other batches)')  # fmt: skip
         if not isinstance(self.pretrain_freeze, bool):

@@ -52,7 +52,7 @@ from ._discover import (
 from ._discover.compute import neighbours_once, on_device
 from ._engine import stage
 from ._mapping import fit_query_offsets
-from ._pretrain import batch_partners, pretrain_backbone
+from ._pretrain import batch_partners, pretrain_backbone, vouched_labels
 from ._train import NovelHeads, Schedule, TrainRandom, fit_open_world, fit_warmup
 from .module import OrcaNet
 
@@ -274,9 +274,16 @@ def pretrain(run: RunContext) -> tuple[dict, dict]:
     """
     lab, d = run.lab, run.data
     rows = None if lab.pretrain_cells == "all" else np.flatnonzero(d.labels >= 0)
-    partners = None
-    if lab.pretrain_pairs == "mnn":
-        partners = batch_partners(run.pca(run.rules.n_pcs), d.labels, d.domain)
+    partners, vouch = None, None
+    if lab.pretrain_pairs == "vouched":  # a warm-up from random weights says who is whose type
+        cfg = run.config
+        rand = TrainRandom(cfg.seed + 3, run.cells.device)
+        net, _ = fit_warmup(run.cells, d.labels, run.n_seen, cfg, run.plan, rand, run.comm,
+                            run.lab)  # fmt: skip
+        _, similarity = seen_similarity(net, run.cells, np.arange(d.n_cells), run.comm)
+        vouch = vouched_labels(similarity, d.labels)
+    if lab.pretrain_pairs in ("mnn", "vouched"):
+        partners = batch_partners(run.pca(run.rules.n_pcs), d.labels, d.domain, vouch=vouch)
     return pretrain_backbone(run.cells, run.config, lab, run.config.seed, rows, partners)
 
 

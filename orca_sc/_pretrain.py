@@ -48,11 +48,13 @@ def corrupt(
     return torch.where(replace, torch.gather(x, 0, donor), x)
 
 
-def batch_partners(pcs: np.ndarray, labels: np.ndarray, domain: np.ndarray,
-                   k: int = 20) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def batch_partners(pcs: np.ndarray, labels: np.ndarray, domain: np.ndarray, k: int = 20,
+                   vouch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Each cell's partners in other batches (``pretrain_pairs="mnn"``): the mutual nearest
     neighbours (cosine in the PCA ``pcs``, ``k`` each way) between the cells of the batches with
-    labelled cells and those of each batch without any. Returns ``(ptr, idx)``: cell ``i``'s
+    labelled cells and those of each batch without any. With ``vouch`` (a label per cell, -1
+    for none; ``pretrain_pairs="vouched"``, :func:`vouched_labels`) only the pairs of a labelled
+    cell and a query cell vouched for as its type are kept. Returns ``(ptr, idx)``: cell ``i``'s
     partners are ``idx[ptr[i]:ptr[i + 1]]`` (none for most cells of a type one side lacks).
     """
     from ._discover.labels import query_batch_cells
@@ -65,6 +67,9 @@ def batch_partners(pcs: np.ndarray, labels: np.ndarray, domain: np.ndarray,
     for d in np.unique(domain[query]):  # loop over query batches, not cells
         q = np.flatnonzero(domain == d)
         i, j = _mnn_pairs(_unit(pcs[ref]), _unit(pcs[q]), k)
+        if vouch is not None:
+            keep = (vouch[q[j]] >= 0) & (labels[ref[i]] == vouch[q[j]])
+            i, j = i[keep], j[keep]
         src += [ref[i], q[j]]
         dst += [q[j], ref[i]]
     src = np.concatenate(src) if src else np.empty(0, dtype=np.int64)
@@ -73,6 +78,24 @@ def batch_partners(pcs: np.ndarray, labels: np.ndarray, domain: np.ndarray,
     ptr = np.zeros(n + 1, dtype=np.int64)
     np.add.at(ptr, src + 1, 1)
     return np.cumsum(ptr), dst[order]
+
+
+def vouched_labels(
+    similarity: np.ndarray, labels: np.ndarray, quantile: float = 0.05
+) -> np.ndarray:
+    """The label each unlabelled cell is vouched for (-1 where none): the seen head that scores
+    it best (``similarity``, ``(n, n_seen)``, cosines of a warm-up net), where its cosine is at
+    least the ``quantile`` of that head's labelled cells' own best cosines (in sample); a
+    labelled cell vouches for its label.
+    """
+    best, head = similarity.max(axis=1), similarity.argmax(axis=1)
+    lab = labels >= 0
+    bar = np.full(similarity.shape[1], np.inf)
+    for t in np.unique(labels[lab]):  # loop over types, not cells
+        own = lab & (labels == t) & (head == t)
+        if own.any():
+            bar[t] = np.quantile(best[own], quantile)
+    return np.where(lab, labels, np.where(best >= bar[head], head, -1))
 
 
 def pretrain_backbone(

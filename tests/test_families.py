@@ -116,6 +116,10 @@ def test_a_change_is_adopted_only_where_it_pays_with_each_family_held_out():
         family_verdict(before, costs, hard).table.loc["Tabula Muris", "known_called_novel_feasible"]
         == 0
     )
+    # a user's own task is real data: judged as a family of its own, as `--only family:real`
+    # selects it (one predicate, orca_sc.benchmark._tasks.real_family)
+    mine = _per_task({"my_h5ad": (0.95, 0.01), "sim_base": (0.95, 0.01)})
+    assert list(family_verdict(mine, mine, mine).table.index) == ["other"]
 
 
 def _runs(values: dict, seeds=(0, 1, 2), jitter=0.0) -> pd.DataFrame:

@@ -83,7 +83,7 @@ def test_a_warm_up_from_the_pretrained_backbone_keeps_its_first_layer_only_when_
         assert net.backbone.first_layer.weight_t.requires_grad == (not freeze)
 
 
-@pytest.mark.parametrize("pairs", ["cell", "mnn"])
+@pytest.mark.parametrize("pairs", ["cell", "mnn", "vouched"])
 def test_a_run_with_a_pretrained_backbone_records_it_and_finds_the_hidden_type(pairs):
     ref, query = hidden_type_pair()
     lab = FAST_LAB.replace(pretrain="scarf", pretrain_steps=50, pretrain_freeze=False,
@@ -95,7 +95,7 @@ def test_a_run_with_a_pretrained_backbone_records_it_and_finds_the_hidden_type(p
     assert record["frozen_first_layer"] is False and record["loss_last"] < record["loss_first"]
     assert record["cells"] == query.n_obs + ref.n_obs and record["pairs"] == pairs
     # pairs across the batches: a share of each batch's cells take a partner's view
-    assert (record["paired_share"] > 0.05) == (pairs == "mnn")
+    assert (record["paired_share"] > 0.05) == (pairs != "cell")
     truth = query.obs["cell_type"].astype(str).to_numpy()
     novel = out.obs["orca_novel"].notna().to_numpy()
     assert novel[truth == "type_4"].mean() > 0.8 and novel[truth != "type_4"].mean() < 0.1
@@ -120,6 +120,35 @@ def test_batch_partners_pair_across_the_batches_both_ways_and_mostly_within_a_ty
     assert shared and np.mean([truth[j] == 0 for _, j in shared]) > 0.9
 
 
+def test_vouched_pairs_keep_only_a_query_cell_its_warm_up_scores_as_its_partner_s_type():
+    from orca_sc._pretrain import batch_partners, vouched_labels
+
+    rng = np.random.default_rng(1)
+    centre = np.eye(5) * 5
+    # labelled batch: types 0 and 1; query: type 0 and a type 2 whose nearest labelled type is 1
+    truth = np.r_[np.zeros(50, int), np.ones(50, int), np.zeros(40, int), np.full(30, 2)]
+    pcs = centre[truth] + rng.normal(0, 1, (truth.size, 5))
+    pcs[truth == 2] = centre[1] * 0.4 + rng.normal(0, 1, ((truth == 2).sum(), 5))
+    labels = np.r_[truth[:100], -np.ones(70, int)]
+    domain = np.r_[np.zeros(100, int), np.ones(70, int)]
+    # a warm-up's cosines: each type's own head high, type 2 claimed by head 1 but far below it
+    similarity = np.where(np.arange(2) == np.minimum(truth, 1)[:, None], 0.9, 0.1)
+    similarity = similarity + rng.normal(0, 0.02, similarity.shape)
+    similarity[truth == 2, 1] = 0.5
+    vouch = vouched_labels(similarity, labels)
+    assert np.array_equal(vouch[:100], labels[:100])  # a labelled cell vouches for its label
+    assert (vouch[100:140] == 0).mean() > 0.9 and (vouch[140:] == -1).all()
+    _, all_idx = batch_partners(pcs, labels, domain, k=10)
+    ptr, idx = batch_partners(pcs, labels, domain, k=10, vouch=vouch)
+    assert 0 < idx.size < all_idx.size
+    pairs = [(i, int(j)) for i in range(170) for j in idx[ptr[i] : ptr[i + 1]]]
+    assert all(truth[i] != 2 and truth[j] != 2 for i, j in pairs)  # the new type has none
+    assert all(truth[i] == truth[j] for i, j in pairs)
+    # without the vouching the new type's cells pair with labelled cells of type 1
+    all_ptr = batch_partners(pcs, labels, domain, k=10)[0]
+    assert any(all_ptr[i + 1] > all_ptr[i] for i in np.flatnonzero(truth == 2))
+
+
 def test_the_pretraining_settings_are_checked_with_one_clear_error_each():
     from orca_sc._errors import ConfigError
 
@@ -129,6 +158,8 @@ def test_the_pretraining_settings_are_checked_with_one_clear_error_each():
         ({"pretrain_corruption": 1.0}, "[0, 1)"),
         ({"pretrain_cells": "query"}, '"all" or "labelled"'),
         ({"pretrain_pairs": "mnn", "pretrain_cells": "labelled"}, "partners are of other"),
+        ({"pretrain_pairs": "vouched", "pretrain_cells": "labelled"}, "partners are of other"),
+        ({"pretrain_pairs": "knn"}, '"cell", "mnn" or "vouched"'),
         ({"pretrain_freeze": "yes"}, "True or False"),
     ):
         with pytest.raises(ConfigError, match=None) as err:

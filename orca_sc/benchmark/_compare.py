@@ -154,11 +154,11 @@ def family_verdict(
     :data:`ACC_DROP` below ``b``'s. ``simulated``: the simulations' tasks alone, as one
     family.
     """
-    from ._tasks import dataset_family
+    from ._tasks import dataset_family, real_family
 
     common = [t for t in a.index if t in b.index and t in ceiling.index]
-    fam = pd.Series({t: dataset_family(t) for t in common})
-    fam = fam[(fam == "simulated") == simulated]
+    fam = pd.Series({t: dataset_family(t) for t in common}, dtype=object)
+    fam = fam[[real_family(t) != simulated for t in fam.index]]
     ok = feasible(ceiling.loc[fam.index])
     rows = []
     for family, tasks in fam.groupby(fam).groups.items():

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ._splits import Task, batch_split, grow_task, protocol_split
-from ._tasks import TaskSpec, builtin_tasks, dataset_family, reversed_tasks
+from ._tasks import TaskSpec, builtin_tasks, dataset_family, real_family, reversed_tasks
 
 
 @dataclass(frozen=True)
@@ -281,8 +281,7 @@ def select_tasks(specs: Sequence[TaskSpec], only: Sequence[str]) -> list[TaskSpe
     parts = [o for o in only if o not in exact and not o.startswith(FAMILY)]
 
     def in_family(name: str) -> bool:
-        family = dataset_family(name)
-        real = family not in ("simulated", "other")
+        family, real = dataset_family(name), real_family(name)
         return any((f == "real" and real) or (f != "real" and f in family.lower())
                    for f in families)  # fmt: skip
 

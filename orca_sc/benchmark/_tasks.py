@@ -43,6 +43,14 @@ def dataset_family(task: str) -> str:
     return next((family for key, family in DATASET_FAMILIES if key in name), "other")
 
 
+def real_family(task: str) -> bool:
+    """Whether the task named ``task`` is of real data (any family but the simulations, a
+    user's own ``--h5ad`` task included): the families a default is judged on
+    (``--only family:real``, ``orca-sc compare --ceiling``).
+    """
+    return dataset_family(task) != "simulated"
+
+
 def _read(path: Path):
     import anndata as ad
 
