@@ -269,7 +269,8 @@ def on_all_cells(
 def pretrain(run: RunContext) -> tuple[dict, dict]:
     """The backbone pretrained on the run's cells (``Ablation.pretrain``, a study; on the
     labelled cells alone with ``pretrain_cells="labelled"``, with partners across batches with
-    ``pretrain_pairs="mnn"``): its ``state_dict`` and record
+    ``pretrain_pairs="mnn"``, and only those a warm-up from random weights vouches for with
+    ``"vouched"``, :func:`orca_sc._pretrain.vouched_labels`): its ``state_dict`` and record
     (:func:`orca_sc._pretrain.pretrain_backbone`).
     """
     lab, d = run.lab, run.data
