@@ -246,6 +246,17 @@ class Ablation:
     pretrain_freeze
         Keep the pretrained first layer fixed in the warm-ups and the open-world fit (the
         paper's protocol).
+    warmup_recon
+        Weight of a reconstruction term in the warm-ups (``0``: none, ORCA): a decoder given
+        each cell's embedding and its batch rebuilds the cell's input, for every cell of the
+        mini-batch, labelled or not, so that the embedding keeps what tells cells of a batch
+        apart beyond the known types, while the batch itself is the decoder's to explain (a
+        study of "ORCA core 5", not the default; the warm-ups' mini-batches then hold the
+        unlabelled cells it reads too).
+    warmup_recon_cells
+        The cells the reconstruction reads: ``"labelled_batches"``, every cell of the batches
+        that hold labelled cells (not a separate query's, whose own differences the embedding
+        would then keep), or ``"all"``.
     query_mapping
         ``"none"`` (ORCA), or ``"frozen"``: each batch without labelled cells learns an offset of
         its own on the frozen nets of the labelled cells, which discovery then reads it through
@@ -281,6 +292,8 @@ class Ablation:
     pretrain_cells: str = "all"
     pretrain_pairs: str = "cell"
     pretrain_freeze: bool = True
+    warmup_recon: float = 0.0
+    warmup_recon_cells: str = "labelled_batches"
     rules: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -314,9 +327,11 @@ class Ablation:
                      '"cell" with pretrain_cells="labelled" (partners are of other batches)')  # fmt: skip
         if not isinstance(self.pretrain_freeze, bool):
             _invalid("pretrain_freeze", self.pretrain_freeze, "True or False")
+        if self.warmup_recon_cells not in ("labelled_batches", "all"):
+            _invalid("warmup_recon_cells", self.warmup_recon_cells, '"labelled_batches" or "all"')
         if self.pair_space not in ("both", "query_pca", "pca", "embedding"):
             _invalid("pair_space", self.pair_space, '"both", "query_pca", "pca" or "embedding"')
-        for name in ("fixed_margin", "lam", "eta1", "eta2", "anchor_weight"):
+        for name in ("fixed_margin", "lam", "eta1", "eta2", "anchor_weight", "warmup_recon"):
             if not (_is_finite(getattr(self, name)) and getattr(self, name) >= 0):
                 _invalid(name, getattr(self, name), "a finite non-negative number")
         for name in ("supervised", "regularizer"):

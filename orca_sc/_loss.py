@@ -19,6 +19,7 @@ from ._cells import (
     uncertainty_batches,
 )
 from ._config import OrcaConfig
+from ._discover.labels import query_batch_cells
 from ._dist import BatchShard, Comm, active_shard
 from ._engine import stage
 from .losses import (
@@ -29,7 +30,7 @@ from .losses import (
     orca_objective,
     split_cosine_similarity,
 )
-from .module import OrcaNet, SparseRows
+from .module import OrcaNet, SparseRows, dense_input
 
 
 @torch.no_grad()
@@ -97,6 +98,15 @@ class OrcaLoss:
         self.prior, self.y_anchor, self.pair_features = prior, y_anchor, pair_features
         self.generator, self.pair_fixed_only = generator, pair_fixed_only
         self.margin, self.anchored = 0.0, False
+        #: the warm-up's reconstruction weight (``lab.warmup_recon``) and the unlabelled cells
+        #: its mini-batches then hold beside the labelled ones (``lab.warmup_recon_cells``)
+        self.recon = 0.0 if full else float(lab.warmup_recon)
+        self.recon_rows = None
+        if self.recon:
+            unl = labels < 0
+            if lab.warmup_recon_cells == "labelled_batches":
+                unl &= ~query_batch_cells(labels, data.domain_np)
+            self.recon_rows = np.flatnonzero(unl)
         self._u_batches: list | None = None  # built at the first refresh, read at every one
 
     def start_epoch(self, net: OrcaNet, epoch: int) -> dict:
@@ -116,6 +126,10 @@ class OrcaLoss:
 
     def __call__(self, model: torch.nn.Module, item: CellBatch) -> tuple[torch.Tensor, ...]:
         idx = item.rows
+        if self.recon:
+            return warmup_recon_terms(
+                model, item.x, self.y_all[idx], self.data.domain[idx], self.margin, self.recon
+            )
         return orca_loss_terms(
             model, item.x, self.y_all[idx], self.margin, self.lab, self.generator,
             full=self.full, prior=self.prior,
@@ -137,6 +151,22 @@ def _uncertainty_rows(unl_idx: np.ndarray, seed: int) -> np.ndarray:
         return unl_idx
     rng = np.random.default_rng([seed, 0x0CE7])
     return np.sort(rng.choice(unl_idx, size=UNCERTAINTY_CELLS, replace=False))
+
+
+def warmup_recon_terms(net, x, y, batch, margin: float, weight: float) -> tuple[torch.Tensor, ...]:
+    """The warm-up's supervised term on the labelled cells of a batch that holds every kind of
+    cell, plus ``weight`` times the mean squared error of the net's decoder
+    (:class:`orca_sc.module.BatchDecoder`, given each cell's embedding and ``batch``) against
+    the input of every cell (``Ablation.warmup_recon``; one process). Returns the five terms of
+    :func:`orca_loss_terms`, the reconstruction in the regulariser's place.
+    """
+    if active_shard() is not None:
+        raise NotImplementedError("warmup_recon runs on one process")
+    logits, z = net(x)
+    sup = masked_margin_cross_entropy(logits, y, margin)
+    rec = F.mse_loss(net.decoder(z, batch), dense_input(x))
+    zero = logits.sum() * 0.0
+    return sup + weight * rec, sup, zero, rec, zero
 
 
 def orca_loss_terms(

@@ -30,9 +30,7 @@ from ._loss import (
     OrcaLoss,
 )
 from ._pretrain import start_from
-from .module import (
-    OrcaNet,
-)
+from .module import BatchDecoder, OrcaNet
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +179,15 @@ def fit_warmup(
     with rand.torch_stream():
         net = OrcaNet(data.shape[1], n_seen, config.hidden_dims, config.dropout).to(data.device)
         start_from(net, init, lab.pretrain_freeze)
+        if lab.warmup_recon:  # a decoder for the reconstruction term, dropped after the phase
+            n_batches = int(data.domain_np.max()) + 1
+            net.decoder = BatchDecoder(config.hidden_dims[1], n_batches, data.shape[1])
+            net.decoder.to(data.device)
         loss = OrcaLoss(data, labels, config, plan, comm, full=False, generator=rand.pairs,
                         lab=lab)  # fmt: skip
         history = _fit(net, loss, data, labels, range(plan.warmup), plan, config, rand, comm)
+        if lab.warmup_recon:
+            del net.decoder
     return net, history
 
 
@@ -247,7 +251,8 @@ def _fit(net, loss, data, labels, epochs, plan, config, rand, comm) -> list[dict
     phase = "open-world" if full else "warm-up"
     rule = stop_rule(data.shape[0], config, loss.lab)
     return fit_phase(
-        net, loss, CellBatches(data, labels, plan, rand, full, comm), _adam(net, config), epochs,
+        net, loss, CellBatches(data, labels, plan, rand, full, comm, loss.recon_rows),
+        _adam(net, config), epochs,
         phase=phase, stop=stop_state(rule, data, comm),
         model=_distributed(net, data.device, comm),
         desc="ORCA" if full else "ORCA warm-up", progress=config.progress,
@@ -259,13 +264,17 @@ class CellBatches:
     labelled cells and one of the unlabelled, cut into ``plan.steps_per_epoch`` batches that mix
     the two in proportion (the warm-up's, ``full=False``, hold the labelled cells alone);
     balanced sizes, so that the last batch is never tiny. With several processes every rank
-    draws the same batches and loads its part of each.
+    draws the same batches and loads its part of each. ``unlabelled``: the unlabelled cells
+    a warm-up's batches hold too (``Ablation.warmup_recon``; ``None``: all of them in the
+    open-world phase, none in a warm-up).
     """
 
-    def __init__(self, data, labels, plan: Schedule, rand: TrainRandom, full: bool, comm):
-        self.data, self.plan, self.rand, self.full, self.comm = data, plan, rand, full, comm
+    def __init__(self, data, labels, plan: Schedule, rand: TrainRandom, full: bool, comm,
+                 unlabelled: np.ndarray | None = None):  # fmt: skip
+        self.data, self.plan, self.rand, self.comm = data, plan, rand, comm
+        self.full = full or unlabelled is not None
         self.lab_idx = np.flatnonzero(labels >= 0)
-        self.unl_idx = np.flatnonzero(labels < 0)
+        self.unl_idx = np.flatnonzero(labels < 0) if unlabelled is None else unlabelled
 
     def epoch(self, epoch: int) -> list[np.ndarray]:
         rng, n = self.rand.numpy, self.plan.steps_per_epoch

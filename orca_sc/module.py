@@ -343,6 +343,34 @@ class OrcaNet(nn.Module):
         return net
 
 
+class BatchDecoder(nn.Module):
+    """A decoder of a cell's input from its embedding and its batch (one-hot): Linear -> ReLU
+    -> Linear to the genes (``Ablation.warmup_recon``). Conditioned on the batch, it leaves
+    the batch's own differences to the one-hot, so that the embedding need not carry them.
+    """
+
+    def __init__(self, n_in: int, n_batches: int, n_genes: int, hidden: int = 512) -> None:
+        super().__init__()
+        self.n_batches = n_batches
+        self.net = nn.Sequential(
+            nn.Linear(n_in + n_batches, hidden), nn.ReLU(), nn.Linear(hidden, n_genes)
+        )
+
+    def forward(self, z: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        member = F.one_hot(batch, self.n_batches).to(z.dtype)
+        return self.net(torch.cat([z, member], dim=1))
+
+
+def dense_input(x: torch.Tensor | SparseRows) -> torch.Tensor:
+    """A mini-batch as the first layer reads it, as a dense ``(B, G)`` tensor (one batch)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    out = x.x.to_dense()
+    if x.offset is not None:
+        out = out + x.member @ x.offset
+    return out
+
+
 class Projector(nn.Module):
     """SimCLR's projection head: Linear -> ReLU -> Linear to ``dim``."""
 
