@@ -16,6 +16,7 @@ from ._annotation import (
 )
 from ._discover import match_known_types, match_novel_across_batches, name_heads
 from ._discover.naming import cluster_reliabilities, naming_means, too_few_cells
+from ._discover.ood import cells_for_quantile
 from ._notes import Note
 from ._pipeline import Fit
 from .module import OrcaNet
@@ -137,6 +138,8 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
                 f"may be a novel type beside {name}, or a part of {name} that looks unlike it "
                 "(uns['orca']['merged_into_known']).",
             ))  # fmt: skip
+    notes += thin_merge_notes(pairs, tested, counts, classes, threshold,
+                              cells_for_quantile(fit.config.discovery.novelty_alpha))  # fmt: skip
     merged = {
         "cluster": [f"head_{h}" for h, _, _ in pairs],
         "type": [classes[k] for _, k, _ in pairs],
@@ -147,6 +150,10 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         "n_type_cells": [t["n_kept"] for t in tested],
         "p_beside": [round(t["p_value"], 4) for t in tested],
         "beside": [t["set_apart"] for t in tested],
+        # the correlation before the correction for few cells, and the labelled cells behind
+        # the type's signature
+        "raw_correlation": [round(t["raw"], 4) for t in tested],
+        "n_type_labelled": [t["n_labelled"] for t in tested],
     }
     return head_names, Naming(merged, order, {
         "cluster": [f"head_{a}" for a, _, _ in same],
@@ -154,6 +161,38 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
         "name": [head_names[n_seen + b] for _, b, _ in same],
         "correlation": [round(r, 4) for _, _, r in same],
     }, pruned, notes)  # fmt: skip
+
+
+def thin_merge_notes(pairs: list, tested: list, counts: np.ndarray, classes: list[str],
+                     threshold: float, min_cells: int) -> list[Note]:  # fmt: skip
+    """One note for the novel clusters reported as known types (``pairs``, with ``tested``: the
+    records of :func:`orca_sc._discover.match_known_types`) whose marker-signature correlation
+    meets ``threshold`` only once corrected for the few cells behind the signatures, where the
+    type's signature rests on fewer than ``min_cells`` labelled cells (as few as a 5% quantile
+    cannot be read from): the correction divides by a reliability those cells estimate
+    poorly, so the data cannot tell the type from a novel type beside it.
+    """
+    thin = [
+        (int(counts[h]), classes[k], t["raw"], r, t["n_labelled"])
+        for (h, k, r), t in zip(pairs, tested, strict=True)
+        if counts[h] > 0 and t["raw"] < threshold and t["n_labelled"] < min_cells
+    ]
+    if not thin:
+        return []
+    short = "; ".join(f"{n} cells as '{name}' ({raw:.2f} -> {r:.2f}, {m} labelled)"
+                      for n, name, raw, r, m in thin)  # fmt: skip
+    long = "; ".join(f"{n} cells reported as {name}: correlation {raw:.2f}, {r:.2f} corrected, "
+                     f"{name}'s signature from {m} labelled cells" for n, name, raw, r, m in thin)  # fmt: skip
+    return [Note(
+        f"{len(thin)} cluster(s) reported as known types only on matches corrected for the few "
+        f"labelled cells behind them ({short}): maybe types beside them "
+        "(uns['orca']['merged_into_known']).",
+        f"{len(thin)} novel cluster(s) were reported as known types whose marker-signature "
+        f"correlation reaches the {threshold:g} a merge needs only once corrected for the few "
+        f"cells behind the two signatures ({long}). With fewer than the {min_cells} labelled "
+        "cells that estimate a signature's noise, the correction may overstate the match: each "
+        "may be a novel type beside the known one (uns['orca']['merged_into_known']).",
+    )]  # fmt: skip
 
 
 def _novel_similarity(fit: Fit, head: np.ndarray, head_names: list, novel_names: list) -> dict:

@@ -622,6 +622,13 @@ def test_known_type_rare_in_reference_is_not_reported_as_novel(tmp_path):
     assert merged["type"] == ["type_3"] and merged["correlation"][0] >= 0.7
     assert merged["n_cells"][0] > 0.75 * (truth == "type_3").sum()
     assert q.obs["orca_novel"].isna().to_numpy()[truth == "type_3"].all()
+    # the match before the correction for few cells, and the 15 labelled cells behind type_3's
+    # signature: fewer than the 20 that estimate its noise, so a merge that only the
+    # correction carries over the bar is noted
+    assert merged["n_type_labelled"] == [15]
+    assert merged["raw_correlation"][0] <= merged["correlation"][0]
+    thin = [n for n in q.uns["orca"]["n_novel"]["notes"] if "only once corrected" in n]
+    assert bool(thin) == (merged["raw_correlation"][0] < 0.7)
     q.write_h5ad(tmp_path / "merged.h5ad")
     back = ad.read_h5ad(tmp_path / "merged.h5ad")
     assert_uns_equal(back.uns["orca"], q.uns["orca"])
@@ -690,3 +697,26 @@ def test_a_query_mapped_onto_the_frozen_nets_is_recorded_and_read_by_the_run():
     truth = query.obs["cell_type"].astype(str).to_numpy()
     novel = out.obs["orca_novel"].notna().to_numpy()
     assert novel[truth == "type_4"].mean() > 0.8 and novel[truth != "type_4"].mean() < 0.1
+
+
+def test_a_merge_carried_over_the_bar_by_the_correction_of_a_thinly_labelled_type_is_noted():
+    """One note for the merges whose correlation meets the bar only once corrected, where the
+    type's signature rests on fewer labelled cells than estimate its noise; none for a merge
+    the raw correlation carries, one of a well-labelled type, or a cluster left empty.
+    """
+    from orca_sc._heads import thin_merge_notes
+
+    classes = ["T", "B", "NK"]
+    pairs = [(0, 0, 0.95), (1, 1, 0.90), (2, 2, 1.0), (3, 0, 0.85)]
+    tested = [
+        {"raw": 0.62, "n_labelled": 10},  # thin: noted
+        {"raw": 0.85, "n_labelled": 10},  # the raw correlation meets the bar
+        {"raw": 0.50, "n_labelled": 40},  # enough labelled cells to read the noise
+        {"raw": 0.55, "n_labelled": 5},  # thin, but its cluster won no cell
+    ]
+    counts = np.array([70, 30, 25, 0])
+    (note,) = thin_merge_notes(pairs, tested, counts, classes, 0.8, 20)
+    assert "1 novel cluster(s)" in str(note) and "70 cells reported as T" in str(note)
+    assert "0.62, 0.95 corrected" in str(note) and "from 10 labelled cells" in str(note)
+    assert "'B'" not in note.line and "'NK'" not in note.line and "(0.62 -> 0.95" in note.line
+    assert thin_merge_notes(pairs[1:], tested[1:], counts, classes, 0.8, 20) == []

@@ -263,7 +263,9 @@ def match_known_types(
     ``alpha``), and ``tested`` (a list) receives one record per merge: ``n_kept`` and the
     ``p_value``, and ``set_apart`` where the cluster matches the type less well than they do
     (a novel sibling of the type, or a part of the type that the fit chose for looking unlike
-    it: the test cannot tell these apart, so it decides nothing and the merge stands).
+    it: the test cannot tell these apart, so it decides nothing and the merge stands); also the
+    correlation before the correction (``raw``) and the labelled cells behind the type's
+    signature in its main batch (``n_labelled``).
 
     ``cluster_reliability`` (:func:`cluster_reliabilities`), where the caller has it, is not
     computed again.
@@ -280,6 +282,7 @@ def match_known_types(
     known, known_main, known_counts = _signatures(*known_means, background)
     novel, novel_main, novel_counts = _signatures(*cluster_means, background)
     corr = novel @ known.T  # (n_clusters, n_seen) Pearson correlation of the signatures
+    raw = corr.copy()
     # as if both signatures were of many cells: few cells behind one attenuate the correlation
     if cluster_reliability is None:
         cluster_reliability = group_reliabilities(
@@ -306,7 +309,10 @@ def match_known_types(
                 X, np.flatnonzero((clusters == j) & in_b), np.flatnonzero(own & in_b),
                 known[k], background[b], alpha, seed + j,
             )  # fmt: skip
-            tested.append({"n_kept": int((own & in_b).sum()), "p_value": p, "set_apart": apart})
+            tested.append({
+                "n_kept": int((own & in_b).sum()), "p_value": p, "set_apart": apart,
+                "raw": float(raw[j, k]), "n_labelled": int(known_counts[k, known_main[k]]),
+            })  # fmt: skip
     return merged
 
 
