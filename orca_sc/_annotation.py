@@ -122,9 +122,9 @@ class Naming:
     """How the novel heads were named: novel clusters merged into a known type of another batch
     (column-wise: ``cluster``, ``type``, ``n_cells``, ``correlation``, and ``n_type_cells``,
     ``p_beside``, ``beside`` of the check against the type's own query cells,
-    ``raw_correlation`` and ``n_type_labelled``, so that it can be stored in an h5ad file), the novel heads in name order, and novel heads of different
-    batches that are one type and share a name (``cluster``, ``same_as``, ``name``,
-    ``correlation``).
+    ``raw_correlation`` and ``n_type_labelled``, so that it can be stored in an h5ad file), the
+    novel heads in name order, and novel heads of different batches that are one type and
+    share a name (``cluster``, ``same_as``, ``name``, ``correlation``).
     """
 
     merged: dict[str, list]

@@ -181,8 +181,11 @@ def thin_merge_notes(pairs: list, tested: list, counts: np.ndarray, classes: lis
         return []
     short = "; ".join(f"{n} cells as '{name}' ({raw:.2f} -> {r:.2f}, {m} labelled)"
                       for n, name, raw, r, m in thin)  # fmt: skip
-    long = "; ".join(f"{n} cells reported as {name}: correlation {raw:.2f}, {r:.2f} corrected, "
-                     f"{name}'s signature from {m} labelled cells" for n, name, raw, r, m in thin)  # fmt: skip
+    long = "; ".join(
+        f"{n} cells reported as {name}: correlation {raw:.2f}, {r:.2f} corrected, {name}'s "
+        f"signature from {m} labelled cells"
+        for n, name, raw, r, m in thin
+    )
     return [Note(
         f"{len(thin)} cluster(s) reported as known types only on matches corrected for the few "
         f"labelled cells behind them ({short}): maybe types beside them "
