@@ -157,7 +157,7 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
     """
     import pandas as pd
 
-    from ._conformal import benjamini_hochberg, cluster_support, premise_check
+    from ._conformal import benjamini_hochberg, cell_calls, cluster_support, premise_check
 
     if pvalues is None:
         return None
@@ -174,7 +174,9 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
     baseline = [failing.get(int(np.bincount(b_unl[clusters == j]).argmax()))
                 if (clusters == j).any() else None for j in range(len(novel_names))]  # fmt: skip
     table, notes = cluster_support(p_unl, clusters, novel_names, alpha, n_cal, baseline)
-    notes = said + notes
+    calls, cell_notes = cell_calls(p_unl, qvalues[unl], alpha, n_cal)
+    # where the premise fails its note already says to read the p-values as a ranking
+    notes = said + notes + ([] if failing else cell_notes)
     record = {
         "alpha": alpha,
         "folds": cfg.novelty_folds,
@@ -182,6 +184,7 @@ def novelty_test(pvalues: np.ndarray | None, labels: np.ndarray, labeled: np.nda
         "smallest_pvalue": 1.0 / (n_cal + 1),
         "share_p_below_alpha": float(np.mean(p_unl <= alpha)) if p_unl.size else 0.0,
         "share_q_below_alpha": float(np.mean(qvalues[unl] <= alpha)) if unl.any() else 0.0,
+        **calls,
         "clusters": table,
         "premise": premise,
         **note_fields(notes),

@@ -224,3 +224,45 @@ def premise_check(
             )
         )
     return table, notes, failing
+
+
+def cell_calls(
+    pvalues: np.ndarray, qvalues: np.ndarray, alpha: float, n_calibration: int
+) -> tuple[dict[str, float | int], list[str]]:
+    """What the per-cell q-values call, and a note where they cannot single out cells the
+    p-values say are there: more unlabelled cells have ``p <= alpha`` than cells like the
+    labelled ones ever give (a one-sided binomial test of more than ``2 * alpha``, the bound of
+    cross-fitted p-values, at level ``alpha``) but no cell has ``q <= alpha``. A p-value is at
+    least ``1 / (n_calibration + 1)``, and Benjamini-Hochberg calls a cell among ``m`` only at
+    ``p <= alpha * r / m`` (``r`` the cells called): new cells must score above all but a few
+    labelled cells, which labelled cells of rare types and a type's outliers often outscore.
+
+    ``pvalues``, ``qvalues``: the unlabelled cells'. Returns the counts for the record and the
+    notes for the user.
+    """
+    from scipy.stats import binom
+
+    m = int(pvalues.size)
+    k = int((pvalues <= alpha).sum())
+    called = int((qvalues <= alpha).sum())
+    smallest = float(qvalues.min()) if m else 1.0
+    record = {"n_called": called, "smallest_qvalue": smallest}
+    excess = m > 0 and float(binom.sf(k - 1, m, min(2 * alpha, 1.0))) <= alpha
+    if called or not excess or alpha * n_calibration < MIN_TAIL_CELLS:
+        return record, []
+    share = k / m
+    note = Note(
+        f"No cell is novel on its own at q <= {alpha:g} (smallest q {smallest:.2f}), though "
+        f"{share:.0%} of the unlabelled cells have p <= {alpha:g}: read the clusters' verdicts "
+        "(uns['orca']['novelty_test']).",
+        f"{share:.0%} of the unlabelled cells have a novelty p-value <= {alpha:g}, more than "
+        f"cells like the reference's labelled ones ever give (at most {min(2 * alpha, 1):.0%}; "
+        f"binomial test), but the Benjamini-Hochberg q-values single out none of them "
+        f"(smallest q {smallest:.2f}). With {n_calibration:,} labelled cells a p-value is at "
+        f"least 1/{n_calibration + 1:,}, and among {m:,} cells a cell is called only when it "
+        "scores above all but a few labelled cells; labelled cells of rare types and a type's "
+        "outliers score as high as new cells do. So obs['orca_novelty_qvalue'] calls nothing "
+        "here: read obs['orca_novelty_pvalue'] as a ranking and the novel clusters' verdicts "
+        "(uns['orca']['novelty_test']['clusters'], uns['orca']['novel_evidence']).",
+    )
+    return record, [note]

@@ -11,6 +11,7 @@ from orca_sc._conformal import (
     MIN_TAIL_CELLS,
     CrossConformal,
     benjamini_hochberg,
+    cell_calls,
     cluster_support,
     fold_ids,
     premise_check,
@@ -107,6 +108,44 @@ def test_cluster_support_verdicts():
     table, notes = cluster_support(p, clusters, ["novel_1", "novel_2"], 0.05, few)
     assert table["supported"] == ["cannot tell", "cannot tell"]
     assert any("cannot say" in n for n in notes)
+
+
+def _conformal_p(calibration, test, rng):
+    """Cross-conformal p-values of ``test`` against ``calibration`` dealt into 5 folds, a test
+    cell scored by every fold's net (its score plus a little noise per fold).
+    """
+    cc = CrossConformal(test.size)
+    for part in np.array_split(rng.permutation(calibration), 5):
+        cc.add(part, test + rng.normal(scale=0.05, size=test.size))
+    return cc.pvalues()
+
+
+def test_cell_calls_says_when_q_values_cannot_single_out_what_p_values_show():
+    """500 labelled cells, 3% of them a rare type scoring high (as labelled cells of a type
+    with 2-4 cells do); 800 query cells like the bulk and 200 new ones scoring between the
+    bulk and the rare type: the p-values show the excess, Benjamini-Hochberg calls no cell, and
+    the note says so. Without the rare type the new cells outscore every labelled cell and are
+    called; with no new cells there is no excess: no note either way.
+    """
+    rng = np.random.default_rng(0)
+    bulk, rare = rng.normal(size=485), rng.normal(loc=6.0, size=15)
+    query = np.concatenate([rng.normal(size=800), rng.normal(loc=3.5, scale=0.3, size=200)])
+    p = _conformal_p(np.concatenate([bulk, rare]), query, rng)
+    q = benjamini_hochberg(p)
+    record, notes = cell_calls(p, q, 0.05, 500)
+    assert record["n_called"] == 0 and record["smallest_qvalue"] > 0.05
+    assert np.mean(p[800:] <= 0.05) > 0.9  # the p-values see the new cells ...
+    assert len(notes) == 1 and "No cell is novel on its own" in notes[0].line  # ... and it says so
+    p = _conformal_p(bulk, query, rng)
+    record, notes = cell_calls(p, benjamini_hochberg(p), 0.05, 485)
+    assert record["n_called"] >= 150 and not notes
+    p = _conformal_p(np.concatenate([bulk, rare]), query[:800], rng)
+    record, notes = cell_calls(p, benjamini_hochberg(p), 0.05, 500)
+    assert record["n_called"] == 0 and not notes
+    # too few calibration cells for the tail: the clusters' test says 'cannot tell' instead
+    enough = int(MIN_TAIL_CELLS / 0.05)
+    assert cell_calls(np.full(100, 0.02), np.full(100, 0.2), 0.05, enough)[1]
+    assert not cell_calls(np.full(100, 0.02), np.full(100, 0.2), 0.05, enough - 1)[1]
 
 
 def test_premise_check_fails_only_where_known_cells_score_below_the_reference():
@@ -209,6 +248,9 @@ def test_novel_cells_get_small_pvalues_and_supported_clusters(small_sim):
     assert np.median(p[novel]) < 0.05 and np.median(p[known]) > 0.3
     q = out.obs["orca_novelty_qvalue"].to_numpy()
     assert np.mean(q[novel] <= 0.05) > 0.3 and np.mean(q[known] <= 0.05) < 0.05
+    test = out.uns["orca"]["novelty_test"]
+    assert test["n_called"] == int((q[~labelled] <= 0.05).sum()) > 0
+    assert not any("on its own" in line for line in test["note_lines"])
     table = out.uns["orca"]["novelty_test"]["clusters"]
     sizes = dict(zip(table["cluster"], table["n_cells"], strict=True))
     big = [c for c, s in sizes.items() if s >= 30]
