@@ -148,6 +148,31 @@ def test_cell_calls_says_when_q_values_cannot_single_out_what_p_values_show():
     assert not cell_calls(np.full(100, 0.02), np.full(100, 0.2), 0.05, enough - 1)[1]
 
 
+def test_the_run_notes_uncalled_cells_only_where_the_premise_holds():
+    """The record of the novelty test (``_annotation.novelty_test``): with the p-values of the
+    test above in one query batch the cell-calls note is among its notes; where the query's
+    known-labelled cells score low too (the premise fails) the premise's note speaks instead.
+    """
+    from orca_sc import DiscoveryConfig
+    from orca_sc._annotation import novelty_test
+
+    rng = np.random.default_rng(1)
+    bulk, rare = rng.normal(size=485), rng.normal(loc=6.0, size=15)
+    query = np.concatenate([rng.normal(size=800), rng.normal(loc=3.5, scale=0.3, size=200)])
+    p_query = _conformal_p(np.concatenate([bulk, rare]), query, rng)
+    labeled = np.repeat([True, False], [500, 1000])
+    pvalues = np.concatenate([np.full(500, np.nan), p_query])
+    labels = np.array(["a"] * 500 + ["a"] * 800 + ["novel_1"] * 200, dtype=object)
+    test = novelty_test(pvalues, labels, labeled, ["novel_1"], DiscoveryConfig())
+    assert test.record["n_called"] == 0 and test.record["premise"]["holds"] == ["holds"]
+    assert any("on its own" in line for line in test.record["note_lines"])
+    shifted = pvalues.copy()
+    shifted[500:800] = rng.uniform(0.02, 0.05, 300)  # 300 of the 800 known-labelled cells
+    test = novelty_test(shifted, labels, labeled, ["novel_1"], DiscoveryConfig())
+    assert test.record["premise"]["holds"] == ["fails"] and test.record["n_called"] == 0
+    assert not any("on its own" in line for line in test.record["note_lines"])
+
+
 def test_premise_check_fails_only_where_known_cells_score_below_the_reference():
     """Batch 'a': cells labelled known with uniform p-values (exchangeable: the premise holds);
     batch 'b': a fifth of them with p below alpha (shifted: it fails); cells called novel are
