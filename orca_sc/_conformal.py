@@ -30,6 +30,20 @@ SCORE_NEIGHBORS = 10
 MIN_TAIL_CELLS = 5
 
 
+def tail_supported(alpha: float, n_calibration: int) -> bool:
+    """Whether the calibration cells in the tail that a p-value at ``alpha`` stands on
+    (``alpha * n_calibration``) are at least :data:`MIN_TAIL_CELLS`: else the test cannot tell.
+    """
+    return alpha * n_calibration >= MIN_TAIL_CELLS
+
+
+def exchangeable_bound(alpha: float) -> float:
+    """The most share of cells exchangeable with the labelled ones that get ``p <= alpha``
+    from cross-fitted p-values: ``2 * alpha`` (Barber et al., Ann. Stat. 2021), at most 1.
+    """
+    return min(2 * alpha, 1.0)
+
+
 def fold_ids(labels: np.ndarray, n_folds: int, seed: int = 0) -> np.ndarray:
     """Fold (``0 .. n_folds-1``) of every labelled cell, ``-1`` for unlabelled ones: each type's
     cells are shuffled and dealt round-robin, starting where the previous type stopped, so that
@@ -117,7 +131,7 @@ def cluster_support(
             pval[j] = fisher_exact(table0, alternative="greater").pvalue
             compared[j] = "known cells of its batch"
     qval = benjamini_hochberg(pval)
-    can_tell = alpha * n_calibration >= MIN_TAIL_CELLS
+    can_tell = tail_supported(alpha, n_calibration)
     verdict = ["cannot tell" if not can_tell else ("significant" if q <= alpha else "not significant")
                for q in qval]  # fmt: skip
     table = {
@@ -185,10 +199,10 @@ def premise_check(
     """
     from scipy.stats import binom
 
-    bound = min(2 * alpha, 1.0)
+    bound = exchangeable_bound(alpha)
     codes = np.unique(batch)
     failing: dict[int, tuple[int, int]] = {}
-    can_tell = alpha * n_calibration >= MIN_TAIL_CELLS
+    can_tell = tail_supported(alpha, n_calibration)
     table: dict[str, list] = {k: [] for k in ("batch", "n_known", "share_p_below_alpha",
                                               "pvalue", "holds")}  # fmt: skip
     for d in codes:  # loop over batches, not cells
@@ -247,8 +261,9 @@ def cell_calls(
     called = int((qvalues <= alpha).sum())
     smallest = float(qvalues.min()) if m else 1.0
     record = {"n_called": called, "smallest_qvalue": smallest}
-    excess = m > 0 and float(binom.sf(k - 1, m, min(2 * alpha, 1.0))) <= alpha
-    if called or not excess or alpha * n_calibration < MIN_TAIL_CELLS:
+    bound = exchangeable_bound(alpha)
+    excess = m > 0 and float(binom.sf(k - 1, m, bound)) <= alpha
+    if called or not excess or not tail_supported(alpha, n_calibration):
         return record, []
     share = k / m
     note = Note(
@@ -256,7 +271,7 @@ def cell_calls(
         f"{share:.0%} of the unlabelled cells have p <= {alpha:g}: read the clusters' verdicts "
         "(uns['orca']['novelty_test']).",
         f"{share:.0%} of the unlabelled cells have a novelty p-value <= {alpha:g}, more than "
-        f"cells like the reference's labelled ones ever give (at most {min(2 * alpha, 1):.0%}; "
+        f"cells like the reference's labelled ones ever give (at most {bound:.0%}; "
         f"binomial test), but the Benjamini-Hochberg q-values single out none of them "
         f"(smallest q {smallest:.2f}). With {n_calibration:,} labelled cells a p-value is at "
         f"least 1/{n_calibration + 1:,}, and among {m:,} cells a cell is called only when it "

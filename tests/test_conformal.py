@@ -120,6 +120,15 @@ def _conformal_p(calibration, test, rng):
     return cc.pvalues()
 
 
+def _rare_type_scores(rng):
+    """500 labelled cells' scores, 3% of them a rare type scoring high, and 1,000 query cells':
+    800 like the bulk, 200 new ones scoring between the bulk and the rare type.
+    """
+    bulk, rare = rng.normal(size=485), rng.normal(loc=6.0, size=15)
+    query = np.concatenate([rng.normal(size=800), rng.normal(loc=3.5, scale=0.3, size=200)])
+    return bulk, rare, query
+
+
 def test_cell_calls_says_when_q_values_cannot_single_out_what_p_values_show():
     """500 labelled cells, 3% of them a rare type scoring high (as labelled cells of a type
     with 2-4 cells do); 800 query cells like the bulk and 200 new ones scoring between the
@@ -128,8 +137,7 @@ def test_cell_calls_says_when_q_values_cannot_single_out_what_p_values_show():
     called; with no new cells there is no excess: no note either way.
     """
     rng = np.random.default_rng(0)
-    bulk, rare = rng.normal(size=485), rng.normal(loc=6.0, size=15)
-    query = np.concatenate([rng.normal(size=800), rng.normal(loc=3.5, scale=0.3, size=200)])
+    bulk, rare, query = _rare_type_scores(rng)
     p = _conformal_p(np.concatenate([bulk, rare]), query, rng)
     q = benjamini_hochberg(p)
     record, notes = cell_calls(p, q, 0.05, 500)
@@ -157,8 +165,7 @@ def test_the_run_notes_uncalled_cells_only_where_the_premise_holds():
     from orca_sc._annotation import novelty_test
 
     rng = np.random.default_rng(1)
-    bulk, rare = rng.normal(size=485), rng.normal(loc=6.0, size=15)
-    query = np.concatenate([rng.normal(size=800), rng.normal(loc=3.5, scale=0.3, size=200)])
+    bulk, rare, query = _rare_type_scores(rng)
     p_query = _conformal_p(np.concatenate([bulk, rare]), query, rng)
     labeled = np.repeat([True, False], [500, 1000])
     pvalues = np.concatenate([np.full(500, np.nan), p_query])
