@@ -180,6 +180,8 @@ class DiscoveryRules(DiscoveryConfig):
 
 
 #: the rules' constants (the fields of :class:`DiscoveryRules` that are not a user's option)
+#: where the warm-ups' cluster term cuts its clusters (``Ablation.warmup_clusters_space``)
+CLUSTER_SPACES = ("batch", "joint", "harmony", "mnn")
 RULE_FIELDS = frozenset(f.name for f in dataclasses.fields(DiscoveryRules)) - frozenset(
     f.name for f in dataclasses.fields(DiscoveryConfig)
 )
@@ -257,6 +259,19 @@ class Ablation:
         The cells the reconstruction reads: ``"labelled_batches"``, every cell of the batches
         that hold labelled cells (not a separate query's, whose own differences the embedding
         would then keep), or ``"all"``.
+    warmup_clusters
+        Weight of a cluster term in the warm-ups (``0``: none, ORCA): a second cosine head on
+        the embedding learns each cell's Leiden cluster (resolution ``query_resolution``, on
+        ``n_pcs`` components), so that the embedding keeps what tells the query's own clusters
+        apart, which the labelled types alone do not ask of it (a study of "ORCA core 5",
+        not the default; the head is dropped after each warm-up, and its mini-batches hold the
+        cells with a cluster too).
+    warmup_clusters_space
+        Where those clusters are cut: ``"batch"``, the unlabelled cells of each batch in their
+        own PCA (labelled cells have none); ``"joint"``, every cell in one PCA of all batches;
+        ``"harmony"`` or ``"mnn"``, every cell in that integration of the joint PCA
+        (:func:`orca_sc._integrate.integrated_space`), so that a known type's cells of every
+        batch share clusters where the integration mixes them.
     query_mapping
         ``"none"`` (ORCA), or ``"frozen"``: each batch without labelled cells learns an offset of
         its own on the frozen nets of the labelled cells, which discovery then reads it through
@@ -294,6 +309,8 @@ class Ablation:
     pretrain_freeze: bool = True
     warmup_recon: float = 0.0
     warmup_recon_cells: str = "labelled_batches"
+    warmup_clusters: float = 0.0
+    warmup_clusters_space: str = "batch"
     rules: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -329,11 +346,19 @@ class Ablation:
             _invalid("pretrain_freeze", self.pretrain_freeze, "True or False")
         if self.warmup_recon_cells not in ("labelled_batches", "all"):
             _invalid("warmup_recon_cells", self.warmup_recon_cells, '"labelled_batches" or "all"')
+        if self.warmup_clusters_space not in CLUSTER_SPACES:
+            _invalid("warmup_clusters_space", self.warmup_clusters_space,
+                     '"batch", "joint", "harmony" or "mnn"')  # fmt: skip
         if self.pair_space not in ("both", "query_pca", "pca", "embedding"):
             _invalid("pair_space", self.pair_space, '"both", "query_pca", "pca" or "embedding"')
-        for name in ("fixed_margin", "lam", "eta1", "eta2", "anchor_weight", "warmup_recon"):
+        weights = ("fixed_margin", "lam", "eta1", "eta2", "anchor_weight", "warmup_recon",
+                   "warmup_clusters")  # fmt: skip
+        for name in weights:
             if not (_is_finite(getattr(self, name)) and getattr(self, name) >= 0):
                 _invalid(name, getattr(self, name), "a finite non-negative number")
+        if self.warmup_clusters and self.warmup_recon:
+            _invalid("warmup_clusters", self.warmup_clusters,
+                     "0 with warmup_recon (one extra warm-up term at a time)")  # fmt: skip
         for name in ("supervised", "regularizer"):
             if not isinstance(getattr(self, name), bool):
                 _invalid(name, getattr(self, name), "True or False")

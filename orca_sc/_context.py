@@ -127,6 +127,33 @@ class RunContext:
         """What discovery's rules read: the user's options and the rules' constants."""
         return DiscoveryRules.of(self.config.discovery, self.lab)
 
+    @cached_property
+    def warmup_cluster_targets(self) -> np.ndarray | None:
+        """Each cell's Leiden cluster for the warm-ups' cluster term (``Ablation.warmup_clusters``;
+        ``warmup_clusters_space`` says where it is cut), ``(n_cells,)``, ``-1`` for a cell
+        without one; ``None`` without the term or where there is one cluster or none.
+        """
+        lab = self.lab
+        if not lab.warmup_clusters:
+            return None
+        d, dc, seed = self.data, self.rules, self.config.seed
+        cut = partial(leiden, resolution=dc.query_resolution, seed=seed,
+                      n_neighbors=dc.n_neighbors)  # fmt: skip
+        if lab.warmup_clusters_space != "batch":  # every cell, one space for all batches
+            emb = self.pca(dc.n_pcs)
+            if lab.warmup_clusters_space != "joint":
+                joint = integrated_space(emb, d.domain, lab.warmup_clusters_space, seed,
+                                         d.labeled)[0]  # fmt: skip
+                emb = emb if joint is None else joint  # one batch: nothing to integrate
+            out = cut(emb).astype(np.int64)
+        else:  # each batch's unlabelled cells, codes unique over the batches
+            out = np.full(d.n_cells, -1, dtype=np.int64)
+            for b in np.unique(d.domain):  # loop over batches, not cells
+                rows = np.flatnonzero((d.domain == b) & (d.labels < 0))
+                if rows.size > dc.n_neighbors:
+                    out[rows] = cut(self.pca(dc.n_pcs, rows)) + out.max() + 1
+        return out if out.max() > 0 else None
+
     @property
     def n_seen(self) -> int:
         return len(self.data.classes)

@@ -30,8 +30,9 @@ def _side_warmup(run: RunContext, held: np.ndarray, seed: int) -> OrcaNet:
     quiet = run.config.replace(progress=False)
     rand = TrainRandom(seed, run.cells.device)
     return fit_warmup(
-        run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm, run.lab, init=run.pretrained
-    )[0]
+        run.cells, labels, run.n_seen, quiet, run.plan, rand, run.comm, run.lab,
+        init=run.pretrained, cluster_targets=run.warmup_cluster_targets,
+    )[0]  # fmt: skip
 
 
 #: the novelty score's neighbours are looked for among at most this many labelled cells per fold

@@ -88,7 +88,7 @@ class OrcaLoss:
     def __init__(
         self, data: CellMatrix, labels: np.ndarray, config: OrcaConfig, plan: Any, comm,
         *, full: bool, prior=None, y_anchor=None, pair_features=None, generator=None,
-        pair_fixed_only=None, lab: Ablation = LAB,
+        pair_fixed_only=None, lab: Ablation = LAB, cluster_targets=None,
     ) -> None:  # fmt: skip
         self.data, self.config, self.plan, self.full = data, config, plan, full
         self.lab = lab
@@ -107,6 +107,11 @@ class OrcaLoss:
             if lab.warmup_recon_cells == "labelled_batches":
                 unl &= ~query_batch_cells(labels, data.domain_np)
             self.recon_rows = np.flatnonzero(unl)
+        self.clusters, self.c_all = 0.0, None
+        if not full and cluster_targets is not None:
+            self.clusters = float(lab.warmup_clusters)
+            self.c_all = torch.as_tensor(cluster_targets, device=data.device)
+            self.recon_rows = np.flatnonzero((cluster_targets >= 0) & (labels < 0))
         self._u_batches: list | None = None  # built at the first refresh, read at every one
 
     def start_epoch(self, net: OrcaNet, epoch: int) -> dict:
@@ -126,6 +131,10 @@ class OrcaLoss:
 
     def __call__(self, model: torch.nn.Module, item: CellBatch) -> tuple[torch.Tensor, ...]:
         idx = item.rows
+        if self.clusters:
+            return warmup_cluster_terms(
+                model, item.x, self.y_all[idx], self.c_all[idx], self.margin, self.clusters
+            )
         if self.recon:
             return warmup_recon_terms(
                 model, item.x, self.y_all[idx], self.data.domain[idx], self.margin, self.recon
@@ -167,6 +176,23 @@ def warmup_recon_terms(net, x, y, batch, margin: float, weight: float) -> tuple[
     rec = F.mse_loss(net.decoder(z, batch), dense_input(x))
     zero = logits.sum() * 0.0
     return sup + weight * rec, sup, zero, rec, zero
+
+
+def warmup_cluster_terms(net, x, y, c, margin: float, weight: float) -> tuple[torch.Tensor, ...]:
+    """The warm-up's supervised term on the labelled cells of a batch that holds unlabelled
+    cells too, plus ``weight`` times the mean cross-entropy of the net's cluster head against
+    the Leiden cluster ``c`` of each cell that has one (``-1``: none;
+    ``Ablation.warmup_clusters``; one process). Returns the five terms of
+    :func:`orca_loss_terms`, the cluster term in the regulariser's place.
+    """
+    if active_shard() is not None:
+        raise NotImplementedError("warmup_clusters runs on one process")
+    logits, z = net(x)
+    sup = masked_margin_cross_entropy(logits, y, margin)
+    aux = F.cross_entropy(net.cluster_head(z), c, ignore_index=-1, reduction="sum")
+    aux = aux / (c >= 0).sum().clamp_min(1)
+    zero = logits.sum() * 0.0
+    return sup + weight * aux, sup, zero, aux, zero
 
 
 def orca_loss_terms(

@@ -296,7 +296,8 @@ def warm_up(run: RunContext) -> WarmUp:
     )
     labels = np.where(held, -1, data.labels)
     net, history = fit_warmup(run.cells, labels, run.n_seen, cfg, run.plan, run.rand, run.comm,
-                              run.lab, init=run.pretrained)  # fmt: skip
+                              run.lab, init=run.pretrained,
+                              cluster_targets=run.warmup_cluster_targets)  # fmt: skip
     return WarmUp(net, history, held)
 
 

@@ -30,7 +30,7 @@ from ._loss import (
     OrcaLoss,
 )
 from ._pretrain import start_from
-from .module import BatchDecoder, OrcaNet
+from .module import BatchDecoder, NormedLinear, OrcaNet
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,7 @@ def fit_warmup(
     comm: Comm | None = None,
     lab: Ablation = LAB,
     init: dict | None = None,
+    cluster_targets: np.ndarray | None = None,
 ) -> tuple[OrcaNet, list[dict]]:
     """A new :class:`OrcaNet` with one head per seen class, trained for at most ``plan.warmup``
     epochs on the labelled cells with the supervised term alone (the margin follows the
@@ -174,7 +175,9 @@ def fit_warmup(
     ``config``'s :class:`StopRule`. Returns the net and one history record per epoch.
     ``comm``: the processes that train it together (see :mod:`orca_sc._dist`). ``init``: a
     pretrained backbone to start from (:func:`orca_sc._pretrain.start_from`, its first layer
-    kept fixed with ``lab.pretrain_freeze``).
+    kept fixed with ``lab.pretrain_freeze``). ``cluster_targets``: each cell's cluster for the
+    cluster term (:attr:`orca_sc._context.RunContext.warmup_cluster_targets`), read with
+    ``lab.warmup_clusters`` only.
     """
     with rand.torch_stream():
         net = OrcaNet(data.shape[1], n_seen, config.hidden_dims, config.dropout).to(data.device)
@@ -183,11 +186,18 @@ def fit_warmup(
             n_batches = int(data.domain_np.max()) + 1
             net.decoder = BatchDecoder(config.hidden_dims[1], n_batches, data.shape[1])
             net.decoder.to(data.device)
+        if not lab.warmup_clusters:
+            cluster_targets = None
+        if cluster_targets is not None:  # a head for the cluster term, dropped after the phase
+            net.cluster_head = NormedLinear(config.hidden_dims[1], int(cluster_targets.max()) + 1)
+            net.cluster_head.to(data.device)
         loss = OrcaLoss(data, labels, config, plan, comm, full=False, generator=rand.pairs,
-                        lab=lab)  # fmt: skip
+                        lab=lab, cluster_targets=cluster_targets)  # fmt: skip
         history = _fit(net, loss, data, labels, range(plan.warmup), plan, config, rand, comm)
         if lab.warmup_recon:
             del net.decoder
+        if cluster_targets is not None:
+            del net.cluster_head
     return net, history
 
 
