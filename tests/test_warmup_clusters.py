@@ -4,13 +4,10 @@ cosine head learns each cell's Leiden cluster, cut per batch or over all batches
 
 import anndata as ad
 import numpy as np
-import pytest
 from conftest import FAST_LAB, FAST_OPTIONS, hidden_type_pair
 
 import orca_sc
-from orca_sc._ablation import Ablation
 from orca_sc._context import run_context
-from orca_sc._errors import ConfigError
 from orca_sc._loss import OrcaLoss
 from orca_sc._train import CellBatches, TrainRandom, fit_warmup
 
@@ -81,15 +78,3 @@ def test_a_run_with_the_term_finds_the_hidden_type():
     truth = query.obs["cell_type"].astype(str).to_numpy()
     novel = out.obs["orca_novel"].notna().to_numpy()
     assert novel[truth == "type_4"].mean() > 0.8 and novel[truth != "type_4"].mean() < 0.1
-
-
-@pytest.mark.parametrize(
-    ("bad", "fragment"),
-    [({"warmup_clusters": -1.0}, "non-negative"), ({"warmup_clusters": "ten"}, "non-negative"),
-     ({"warmup_clusters_space": "pca"}, '"batch", "joint", "harmony" or "mnn"'),
-     ({"warmup_clusters": 1.0, "warmup_recon": 1.0}, "one extra warm-up term")],
-)  # fmt: skip
-def test_the_settings_are_checked_with_one_clear_error_each(bad, fragment):
-    with pytest.raises(ConfigError) as err:
-        Ablation(**bad)
-    assert fragment in str(err.value)

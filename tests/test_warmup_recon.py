@@ -106,7 +106,11 @@ def test_a_run_with_the_term_finds_the_hidden_type():
     ("bad", "fragment"),
     [({"warmup_recon": -1.0}, "non-negative"), ({"warmup_recon": float("nan")}, "non-negative"),
      ({"warmup_recon": "ten"}, "non-negative"),
-     ({"warmup_recon_cells": "query"}, '"labelled_batches" or "all"')],
+     ({"warmup_recon_cells": "query"}, '"labelled_batches" or "all"'),
+     # the cluster term (tests/test_warmup_clusters.py), which takes the place of this one
+     ({"warmup_clusters": -1.0}, "non-negative"), ({"warmup_clusters": "ten"}, "non-negative"),
+     ({"warmup_clusters_space": "pca"}, '"batch", "joint", "harmony" or "mnn"'),
+     ({"warmup_clusters": 1.0, "warmup_recon": 1.0}, "one extra warm-up term")],
 )  # fmt: skip
 def test_the_settings_are_checked_with_one_clear_error_each(bad, fragment):
     with pytest.raises(ConfigError) as err:
