@@ -179,9 +179,10 @@ class DiscoveryRules(DiscoveryConfig):
         return cls(**user, **(dict(ablation.rules) if ablation is not None else {}))
 
 
-#: the rules' constants (the fields of :class:`DiscoveryRules` that are not a user's option)
 #: where the warm-ups' cluster term cuts its clusters (``Ablation.warmup_clusters_space``)
 CLUSTER_SPACES = ("batch", "joint", "harmony", "mnn")
+
+#: the rules' constants (the fields of :class:`DiscoveryRules` that are not a user's option)
 RULE_FIELDS = frozenset(f.name for f in dataclasses.fields(DiscoveryRules)) - frozenset(
     f.name for f in dataclasses.fields(DiscoveryConfig)
 )
@@ -265,7 +266,7 @@ class Ablation:
         ``n_pcs`` components), so that the embedding keeps what tells the query's own clusters
         apart, which the labelled types alone do not ask of it (a study of "ORCA core 5",
         not the default; the head is dropped after each warm-up, and its mini-batches hold the
-        cells with a cluster too).
+        cells with a cluster too; the self-check's warm-up, which hides types, runs without it).
     warmup_clusters_space
         Where those clusters are cut: ``"batch"``, the unlabelled cells of each batch in their
         own PCA (labelled cells have none); ``"joint"``, every cell in one PCA of all batches;

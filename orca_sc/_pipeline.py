@@ -365,7 +365,8 @@ def sample_discovery(run: RunContext, held: np.ndarray, sample: np.ndarray) -> D
     labels = np.where(held, -1, data.labels)[sample]
     rand = TrainRandom(cfg.seed + 400, cells.device)
     net, _ = fit_warmup(cells, labels, run.n_seen, cfg, sub.plan, rand, lab=run.lab,
-                        init=run.pretrained)  # fmt: skip
+                        init=run.pretrained,
+                        cluster_targets=sub.warmup_cluster_targets)  # fmt: skip
     emb, similarity = seen_similarity(net, cells, np.arange(sample.size))
     dc = run.rules
     pca_of, _ = sub.discovery_space(np.arange(sample.size), data.domain[sample])
