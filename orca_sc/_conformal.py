@@ -44,6 +44,15 @@ def exchangeable_bound(alpha: float) -> float:
     return min(2 * alpha, 1.0)
 
 
+def excess_pvalue(k: int, n: int, alpha: float) -> float:
+    """One-sided binomial test that more than :func:`exchangeable_bound` of ``n`` cells have
+    ``p <= alpha`` when ``k`` of them do: its p-value (1 where there are no cells).
+    """
+    from scipy.stats import binom
+
+    return float(binom.sf(k - 1, n, exchangeable_bound(alpha))) if n else 1.0
+
+
 def fold_ids(labels: np.ndarray, n_folds: int, seed: int = 0) -> np.ndarray:
     """Fold (``0 .. n_folds-1``) of every labelled cell, ``-1`` for unlabelled ones: each type's
     cells are shuffled and dealt round-robin, starting where the previous type stopped, so that
@@ -197,8 +206,6 @@ def premise_check(
     code where it fails the counts ``(k, n)`` of its known-labelled cells with ``p <= alpha``
     and in all (the ``baseline`` of :func:`cluster_support`).
     """
-    from scipy.stats import binom
-
     bound = exchangeable_bound(alpha)
     codes = np.unique(batch)
     failing: dict[int, tuple[int, int]] = {}
@@ -208,7 +215,7 @@ def premise_check(
     for d in codes:  # loop over batches, not cells
         cells = known & (batch == d)
         n, k = int(cells.sum()), int((pvalues[cells] <= alpha).sum())
-        pval = float(binom.sf(k - 1, n, bound)) if n else 1.0
+        pval = excess_pvalue(k, n, alpha)
         holds = "cannot tell" if not (can_tell and n) else (
             "fails" if pval <= alpha / codes.size else "holds")  # fmt: skip
         if holds == "fails":
@@ -254,15 +261,13 @@ def cell_calls(
     ``pvalues``, ``qvalues``: the unlabelled cells'. Returns the counts for the record and the
     notes for the user.
     """
-    from scipy.stats import binom
-
     m = int(pvalues.size)
     k = int((pvalues <= alpha).sum())
     called = int((qvalues <= alpha).sum())
     smallest = float(qvalues.min()) if m else 1.0
     record = {"n_called": called, "smallest_qvalue": smallest}
     bound = exchangeable_bound(alpha)
-    excess = m > 0 and float(binom.sf(k - 1, m, bound)) <= alpha
+    excess = excess_pvalue(k, m, alpha) <= alpha
     if called or not excess or not tail_supported(alpha, n_calibration):
         return record, []
     share = k / m
