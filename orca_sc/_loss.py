@@ -98,20 +98,21 @@ class OrcaLoss:
         self.prior, self.y_anchor, self.pair_features = prior, y_anchor, pair_features
         self.generator, self.pair_fixed_only = generator, pair_fixed_only
         self.margin, self.anchored = 0.0, False
-        #: the warm-up's reconstruction weight (``lab.warmup_recon``) and the unlabelled cells
-        #: its mini-batches then hold beside the labelled ones (``lab.warmup_recon_cells``)
+        #: the unlabelled cells a warm-up's mini-batches hold beside the labelled ones, for its
+        #: reconstruction term (weight ``lab.warmup_recon``, cells ``lab.warmup_recon_cells``)
+        #: or its cluster term (weight ``lab.warmup_clusters``, the cells with a cluster)
+        self.unlabelled_rows = None
         self.recon = 0.0 if full else float(lab.warmup_recon)
-        self.recon_rows = None
         if self.recon:
             unl = labels < 0
             if lab.warmup_recon_cells == "labelled_batches":
                 unl &= ~query_batch_cells(labels, data.domain_np)
-            self.recon_rows = np.flatnonzero(unl)
+            self.unlabelled_rows = np.flatnonzero(unl)
         self.clusters, self.c_all = 0.0, None
-        if not full and cluster_targets is not None:
+        if not full and lab.warmup_clusters and cluster_targets is not None:
             self.clusters = float(lab.warmup_clusters)
             self.c_all = torch.as_tensor(cluster_targets, device=data.device)
-            self.recon_rows = np.flatnonzero((cluster_targets >= 0) & (labels < 0))
+            self.unlabelled_rows = np.flatnonzero((cluster_targets >= 0) & (labels < 0))
         self._u_batches: list | None = None  # built at the first refresh, read at every one
 
     def start_epoch(self, net: OrcaNet, epoch: int) -> dict:

@@ -186,17 +186,15 @@ def fit_warmup(
             n_batches = int(data.domain_np.max()) + 1
             net.decoder = BatchDecoder(config.hidden_dims[1], n_batches, data.shape[1])
             net.decoder.to(data.device)
-        if not lab.warmup_clusters:
-            cluster_targets = None
-        if cluster_targets is not None:  # a head for the cluster term, dropped after the phase
-            net.cluster_head = NormedLinear(config.hidden_dims[1], int(cluster_targets.max()) + 1)
-            net.cluster_head.to(data.device)
         loss = OrcaLoss(data, labels, config, plan, comm, full=False, generator=rand.pairs,
                         lab=lab, cluster_targets=cluster_targets)  # fmt: skip
+        if loss.clusters:  # a head for the cluster term, dropped after the phase
+            net.cluster_head = NormedLinear(config.hidden_dims[1], int(cluster_targets.max()) + 1)
+            net.cluster_head.to(data.device)
         history = _fit(net, loss, data, labels, range(plan.warmup), plan, config, rand, comm)
         if lab.warmup_recon:
             del net.decoder
-        if cluster_targets is not None:
+        if loss.clusters:
             del net.cluster_head
     return net, history
 
@@ -261,7 +259,7 @@ def _fit(net, loss, data, labels, epochs, plan, config, rand, comm) -> list[dict
     phase = "open-world" if full else "warm-up"
     rule = stop_rule(data.shape[0], config, loss.lab)
     return fit_phase(
-        net, loss, CellBatches(data, labels, plan, rand, full, comm, loss.recon_rows),
+        net, loss, CellBatches(data, labels, plan, rand, full, comm, loss.unlabelled_rows),
         _adam(net, config), epochs,
         phase=phase, stop=stop_state(rule, data, comm),
         model=_distributed(net, data.device, comm),
@@ -275,8 +273,8 @@ class CellBatches:
     the two in proportion (the warm-up's, ``full=False``, hold the labelled cells alone);
     balanced sizes, so that the last batch is never tiny. With several processes every rank
     draws the same batches and loads its part of each. ``unlabelled``: the unlabelled cells
-    a warm-up's batches hold too (``Ablation.warmup_recon``; ``None``: all of them in the
-    open-world phase, none in a warm-up).
+    a warm-up's batches hold too (``Ablation.warmup_recon``, ``Ablation.warmup_clusters``;
+    ``None``: all of them in the open-world phase, none in a warm-up).
     """
 
     def __init__(self, data, labels, plan: Schedule, rand: TrainRandom, full: bool, comm,

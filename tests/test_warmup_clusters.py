@@ -49,9 +49,9 @@ def test_a_warm_up_with_the_term_learns_the_clusters_and_returns_a_plain_net():
     t, labels = run.warmup_cluster_targets, run.data.labels
     lab, cfg, cells = run.lab, run.config, run.cells
     loss = OrcaLoss(cells, labels, cfg, run.plan, None, full=False, lab=lab, cluster_targets=t)
-    assert set(loss.recon_rows) == set(np.flatnonzero(labels < 0))  # the query's cells join
+    assert set(loss.unlabelled_rows) == set(np.flatnonzero(labels < 0))  # the query's cells join
     epoch = CellBatches(cells, labels, run.plan, TrainRandom(0, cells.device), False, None,
-                        loss.recon_rows).epoch(0)  # fmt: skip
+                        loss.unlabelled_rows).epoch(0)  # fmt: skip
     assert set(np.concatenate(epoch)) == set(range(labels.size))
     nets = {}
     for w in (0.0, 1.0):

@@ -83,9 +83,9 @@ def test_the_term_reads_the_cells_of_the_labelled_batches_unless_told_all():
         lab = FAST_LAB.replace(warmup_recon=1.0, warmup_recon_cells=which)
         plan = schedule(cells.shape[0], cfg, lab)
         loss = OrcaLoss(cells, labels, cfg, plan, None, full=False, lab=lab)
-        assert set(loss.recon_rows) == set(np.flatnonzero(read))
+        assert set(loss.unlabelled_rows) == set(np.flatnonzero(read))
         rand = TrainRandom(0, cells.device)
-        epoch = CellBatches(cells, labels, plan, rand, False, None, loss.recon_rows).epoch(0)
+        epoch = CellBatches(cells, labels, plan, rand, False, None, loss.unlabelled_rows).epoch(0)
         assert set(np.concatenate(epoch)) == labelled | set(np.flatnonzero(read))
     # without the term a warm-up's batches hold the labelled cells alone
     plain = CellBatches(cells, labels, plan, TrainRandom(0, cells.device), False, None)
