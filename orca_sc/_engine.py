@@ -18,8 +18,10 @@ that need the whole batch (BatchNorm, dropout) read it there; no forward takes i
 
 **Hooks.** A :class:`Callback` sees each phase start and end, each epoch's record and each
 check of the stopping rule. Callbacks are given to :func:`fit_phase`, or installed around any
-code with :func:`observe` (then they also see the pipeline's stages, :func:`stage`): that is how
-the benchmarks time the stages and trace the stopping rule without patching anything.
+code with :func:`observe` (then they also see the pipeline's stages, :func:`stage`, and what
+some stages decide, :func:`publish`): that is how the benchmarks time the stages, trace the
+stopping rule and follow the cells through discovery, the fit and the naming without patching
+anything.
 """
 
 from __future__ import annotations
@@ -67,6 +69,14 @@ class Callback:
     def on_stage_end(self, stage: str, seconds: float) -> None:
         """A stage of the pipeline ended after ``seconds``."""
 
+    def on_result(self, name: str, result: Any) -> None:
+        """A stage of the pipeline decided ``result`` (only for callbacks installed with
+        :func:`observe`): ``"candidates"`` (discovery's candidate novel cluster of every cell of
+        the run, ``-1`` for none) and ``"heads"`` (each cell's head after the open-world fit,
+        before the naming, with the novel heads the naming reported as known types). Read only;
+        the run does not depend on it.
+        """
+
 
 @contextlib.contextmanager
 def observe(*callbacks: Callback) -> Iterator[tuple[Callback, ...]]:
@@ -91,6 +101,18 @@ def stage(name: str) -> Iterator[None]:
         seconds = time.perf_counter() - t0
         for cb in observers:
             cb.on_stage_end(name, seconds)
+
+
+def publish(name: str, make: Callable[[], Any]) -> None:
+    """Give the installed observers what a stage decided (:meth:`Callback.on_result`);
+    ``make`` builds it, and is only called when there is an observer.
+    """
+    observers = current().observers
+    if not observers:
+        return
+    result = make()
+    for cb in observers:
+        cb.on_result(name, result)
 
 
 # ------------------------------------------------------------------------- what a phase uses

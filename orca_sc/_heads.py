@@ -17,6 +17,7 @@ from ._annotation import (
 from ._discover import match_known_types, match_novel_across_batches, name_heads
 from ._discover.naming import cluster_reliabilities, naming_means, too_few_cells
 from ._discover.ood import cells_for_quantile
+from ._engine import publish
 from ._notes import Note
 from ._pipeline import Fit
 from .module import OrcaNet
@@ -110,6 +111,10 @@ def name_heads_of_fit(fit: Fit, head: np.ndarray) -> tuple[list[str | None], Nam
     # their next most probable head), unless its signature made it a known type above
     bar = fit.rules.min_novel_cells
     too_few = too_few_cells(counts, bar)
+    publish("heads", lambda: {
+        "head": head.copy(), "n_seen": n_seen, "merged_into_known": [h for h, _, _ in pairs],
+        "pruned": np.flatnonzero(too_few).tolist(),
+    })  # fmt: skip
     head_names, order = name_heads(np.where(too_few, 0, counts), classes, pairs, same)
     # the cells of each head that pruning took, largest first (a head merged into a known type
     # keeps its name)

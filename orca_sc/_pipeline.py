@@ -50,7 +50,7 @@ from ._discover import (
     subsample_rows,
 )
 from ._discover.compute import neighbours_once, on_device
-from ._engine import stage
+from ._engine import publish, stage
 from ._mapping import fit_query_offsets
 from ._pretrain import batch_partners, pretrain_backbone, vouched_labels
 from ._train import NovelHeads, Schedule, TrainRandom, fit_open_world, fit_warmup
@@ -187,6 +187,7 @@ def _fit(run: RunContext) -> Fit:
         cand = check_size(drun, warm.held, cand)
     if sample is not None:  # back to the rows of all the cells
         cand, side = on_all_cells(cand, side, sample, run.data.n_cells)
+    publish("candidates", partial(_candidate_of_every_cell, cand, run.data.n_cells))
     t2 = time.perf_counter()
     with stage("open-world fit"):
         ow = open_world(run, warm, cand)
@@ -375,6 +376,13 @@ def sample_discovery(run: RunContext, held: np.ndarray, sample: np.ndarray) -> D
         calibration=held[sample], domain_names=[*data.domain_names, "self-check"],
     )  # fmt: skip
     return discover(cells, dc, n_novel=cfg.n_novel, seed=cfg.seed)
+
+
+def _candidate_of_every_cell(cand: Candidates, n_cells: int) -> np.ndarray:
+    """Discovery's candidate of every cell of the run (``-1``: none), for the observers."""
+    out = np.full(n_cells, -1, dtype=np.int64)
+    out[cand.rows] = cand.found.assign
+    return out
 
 
 def open_world(run: RunContext, warm: WarmUp, cand: Candidates) -> OpenWorldFit:

@@ -1,6 +1,6 @@
 """The one training loop (:mod:`orca_sc._engine`): what a phase records, that a diverging loss
-stops it, that its hooks see every stage and check of a real run without changing a result, and
-the shard context that replaced ``shard=`` in the forward passes.
+stops it, that its hooks see every stage, check and decision of a real run without changing a
+result, and the shard context that replaced ``shard=`` in the forward passes.
 """
 
 import os
@@ -15,7 +15,7 @@ from orca_sc._dist import active_shard, sharded
 from orca_sc._engine import Callback, StopState, fit_phase
 from orca_sc._errors import TrainingDivergedError
 from orca_sc._train import schedule
-from orca_sc.benchmark import StageTimer, StopTrace, observe
+from orca_sc.benchmark import StageCensus, StageTimer, StopTrace, observe
 
 
 class _Rows:
@@ -145,14 +145,14 @@ def annotated_twice():
     plain = a.copy()
     orca_sc.tl.annotate(plain, labels_key="lab", **cfg)
     watched = a.copy()
-    timer, trace = StageTimer(), StopTrace(task="sim")
-    with observe(timer, trace):
+    timer, trace, census = StageTimer(), StopTrace(task="sim"), StageCensus()
+    with observe(timer, trace, census):
         orca_sc.tl.annotate(watched, labels_key="lab", **cfg)
-    return plain, watched, timer, trace
+    return plain, watched, timer, trace, census
 
 
 def test_hooks_see_every_stage_and_check_and_change_nothing(annotated_twice):
-    plain, watched, timer, trace = annotated_twice
+    plain, watched, timer, trace, _ = annotated_twice
     assert plain.obs["orca_label"].equals(watched.obs["orca_label"])
     assert np.array_equal(plain.obsm["X_orca"], watched.obsm["X_orca"])
     for stage in ("prepare", "alignment", "warm-up", "cross-fitted warm-ups", "discovery",
@@ -171,6 +171,24 @@ def test_hooks_see_every_stage_and_check_and_change_nothing(annotated_twice):
     warmup_steps = int(np.asarray(hist["steps"])[np.asarray(hist["warmup"], bool)].sum())
     first = [r for r in trace.rows if r["phase"].startswith("1:")]
     assert max(r["step"] for r in first) == warmup_steps // 25 * 25
+
+
+def test_the_census_follows_every_cell_through_discovery_the_fit_and_the_naming(annotated_twice):
+    _, watched, _, _, census = annotated_twice
+    assert census.candidate.shape == census.head.shape == (watched.n_obs,)
+    labelled = watched.obs["lab"].notna().to_numpy()
+    at = census.stages(np.arange(watched.n_obs))
+    assert not at["in_candidate"][labelled].any()  # candidates are unlabelled cells
+    called = watched.obs["orca_novel"].notna().to_numpy()
+    # a cell called novel was on a novel head after the fit, and not on one named a known type
+    assert called.any() and not (called & ~at["novel_after_fit"]).any()
+    assert not (called & at["named_known"]).any()
+    # the hidden types' cells are the candidates, far more than the known types' unlabelled cells
+    hidden = ~watched.obs["cell_type"].isin(["type_0", "type_1", "type_2"]).to_numpy()
+    known = ~hidden & ~labelled
+    assert at["in_candidate"][hidden].mean() > 0.8 > 0.2 > at["in_candidate"][known].mean()
+    with pytest.raises(RuntimeError, match="no run was observed"):
+        StageCensus().stages(np.arange(3))
 
 
 def test_a_trace_that_runs_the_schedule_trains_every_epoch():

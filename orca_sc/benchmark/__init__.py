@@ -5,7 +5,7 @@ baselines, time and memory, scaling, and a Markdown/CSV/plot report (``orca-sc b
 from .._ablation import Ablation, DiscoveryRules
 from ._compare import Comparison, compare_columns, compare_runs, orca_runs
 from ._devsuite import config_overrides, orca_row, run_orca_suite
-from ._hooks import Callback, StageTimer, StopTrace, observe
+from ._hooks import Callback, StageCensus, StageTimer, StopTrace, observe
 from ._integration import integration_figures
 from ._methods import (
     DEFAULT_METHODS,
@@ -54,6 +54,7 @@ __all__ = [
     "orca_runs",
     "run_orca_suite",
     "Callback",
+    "StageCensus",
     "StageTimer",
     "StopTrace",
     "observe",

@@ -1,5 +1,6 @@
 """Hooks that watch a run without changing it (:func:`orca_sc._engine.observe`): seconds per
-stage of the pipeline, and every check of the training's stopping rule.
+stage of the pipeline, every check of the training's stopping rule, and where each cell's
+novel call is made (discovery, the open-world fit, the naming).
 
 Used as::
 
@@ -15,9 +16,11 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import numpy as np
+
 from .._engine import Callback, StopState, observe
 
-__all__ = ["Callback", "StageTimer", "StopTrace", "observe"]
+__all__ = ["Callback", "StageCensus", "StageTimer", "StopTrace", "observe"]
 
 
 class StageTimer(Callback):
@@ -74,3 +77,42 @@ class StopTrace(Callback):
              "loss_noise": state.loss_noise, "would_stop": stop}
         )  # fmt: skip
         return self.run_schedule
+
+
+class StageCensus(Callback):
+    """Where each cell of a run is called novel: in one of discovery's candidate clusters
+    (``candidate``, each cell's candidate, ``-1`` for none), on a novel head after the
+    open-world fit (``head``, each cell's head; ``n_seen`` seen heads first), and whether the
+    naming then reported that head as a known type (``merged_into_known``) or pruned it
+    (``pruned``; novel head numbers). Rows are the run's cells (the reference's labelled cells
+    first, then each query's, for a separate query; the AnnData's order for one AnnData).
+    """
+
+    def __init__(self) -> None:
+        self.candidate: np.ndarray | None = None
+        self.head: np.ndarray | None = None
+        self.n_seen = 0
+        self.merged_into_known: list[int] = []
+        self.pruned: list[int] = []
+
+    def on_result(self, name: str, result: Any) -> None:
+        if name == "candidates":
+            self.candidate = np.asarray(result)
+        elif name == "heads":
+            self.head = np.asarray(result["head"])
+            self.n_seen = int(result["n_seen"])
+            self.merged_into_known = list(result["merged_into_known"])
+            self.pruned = list(result["pruned"])
+
+    def stages(self, rows: np.ndarray | slice) -> dict[str, np.ndarray]:
+        """For the run's cells ``rows``: ``in_candidate``, ``novel_after_fit`` (a novel head
+        after the fit) and ``named_known`` (that head reported as a known type by the naming).
+        """
+        if self.candidate is None or self.head is None:
+            msg = "no run was observed: annotate inside `with observe(census)`"
+            raise RuntimeError(msg)
+        head = self.head[rows]
+        novel = head >= self.n_seen
+        merged = np.isin(head - self.n_seen, self.merged_into_known) & novel
+        return {"in_candidate": self.candidate[rows] >= 0, "novel_after_fit": novel,
+                "named_known": merged}  # fmt: skip
