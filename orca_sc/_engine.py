@@ -73,8 +73,8 @@ class Callback:
         """A stage of the pipeline decided ``result`` (only for callbacks installed with
         :func:`observe`): ``"candidates"`` (discovery's candidate novel cluster of every cell of
         the run, ``-1`` for none) and ``"heads"`` (each cell's head after the open-world fit,
-        before the naming, with the novel heads the naming reported as known types). Read only;
-        the run does not depend on it.
+        before the naming, with the novel heads the naming reported as known types and those
+        it pruned). Read only; the run does not depend on it.
         """
 
 
