@@ -1,8 +1,9 @@
 """Where each call is made: the novel-type and known-type query cells of development-suite
 tasks followed through discovery's candidates, the open-world fit and the naming.
 
-Usage: ``python benchmarks/stage_census.py [--only NAME ...] [--seeds 0 1 2] [--real]
-[--out reports/stage_census.csv]``
+Usage: ``python benchmarks/stage_census.py [--only NAME ...] [--seeds 0 1 2]
+[--out reports/stage_census.csv]`` (``--only family:real``: the real tasks, as
+``orca-sc benchmark --only`` selects them)
 
 Per task and seed, the share of the novel-type query cells (``nn_*``) and of the known-type
 ones (``kn_*``) that are in a candidate novel cluster after discovery (``*_candidate``), on a
@@ -21,7 +22,6 @@ import pandas as pd
 from _cli import task_parser
 
 from orca_sc.benchmark import StageCensus, annotate_task, dev_suite, observe
-from orca_sc.benchmark._tasks import real_family
 
 STAGES = ("candidate", "fit", "merged", "labels")
 
@@ -58,14 +58,10 @@ def census_row(task, seed: int) -> dict | None:
 
 
 def main() -> None:
-    ap = task_parser(__doc__, "reports/stage_census.csv")
-    ap.add_argument("--real", action="store_true", help="the real tasks only")
-    args = ap.parse_args()
+    args = task_parser(__doc__, "reports/stage_census.csv").parse_args()
     data = args.data if args.data.is_dir() else None
     rows: list[dict] = []
     for spec in dev_suite(data, large=False, only=args.only):
-        if args.real and not real_family(spec.name):
-            continue
         for seed in args.seeds:
             row = census_row(spec.make(seed), seed)
             if row is None:
