@@ -89,6 +89,10 @@ class DiscoveryRules(DiscoveryConfig):
         At most this many cells of a batch without labelled cells are clustered and vote (``None``: every cell).
     query_min_fraction, query_min_enrichment
         A query cluster is a candidate when this share of its cells is out-of-distribution, or this many times the batch's share.
+    absence_vote
+        A query cluster is also a candidate when the labelled cells of the known type that claims
+        it lack the state that sets it apart from the type's other cells in the batch
+        (:func:`orca_sc._discover.query.absence_vote`; a study of "ORCA core 5", not the default).
     core_min_agree, core_min_fraction
         A candidate cell is at its cluster's core when this share of its neighbours is in the cluster; a cluster with a smaller share of core cells is not anchored.
     anchor_supported
@@ -122,6 +126,7 @@ class DiscoveryRules(DiscoveryConfig):
     query_vote_cells: int | None = None
     query_min_fraction: float = 0.5
     query_min_enrichment: float = 2.5
+    absence_vote: bool = False
     core_min_agree: float = 0.5
     core_min_fraction: float = 2 / 3
     anchor_supported: bool = True
@@ -165,8 +170,9 @@ class DiscoveryRules(DiscoveryConfig):
             _invalid("n_pcs", self.n_pcs, "an integer >= 2")
         if not _is_int(self.support_min) or self.support_min < 0:
             _invalid("support_min", self.support_min, "a non-negative integer")
-        if not isinstance(self.anchor_supported, bool):
-            _invalid("anchor_supported", self.anchor_supported, "True or False")
+        for name in ("anchor_supported", "absence_vote"):
+            if not isinstance(getattr(self, name), bool):
+                _invalid(name, getattr(self, name), "True or False")
         qvc = self.query_vote_cells
         if qvc is not None and (not _is_int(qvc) or qvc < 2 * self.n_neighbors):
             _invalid("query_vote_cells", qvc,

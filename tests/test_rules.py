@@ -161,3 +161,79 @@ def test_fewer_epochs_always_train_fewer_steps(n_cells):
     for epochs in (2, 6, 10):
         total, warm = steps(epochs)
         assert total < default_total and warm <= default_warm, epochs
+
+
+def _sibling_states(seed=0, shift=1.5):
+    """A known type's labelled cells in two states (70% / 30%), and a query batch, shifted as a
+    whole, holding the same two states and a third state of the type's neighbourhood (a novel
+    sibling) that no labelled cell has. Returns the labelled cells and the query's three states.
+    """
+    rng = np.random.default_rng(seed)
+    dims = 10
+    states = np.zeros((3, dims))
+    states[1, 0] = 6.0  # the type's second state
+    states[2, 1] = 6.0  # the sibling, as far from the type's first state in another direction
+    batch = rng.normal(size=dims)
+    batch *= shift / np.linalg.norm(batch)
+    labelled = np.concatenate([states[0] + rng.normal(size=(140, dims)),
+                               states[1] + rng.normal(size=(60, dims))])  # fmt: skip
+    query = [states[k] + batch + rng.normal(size=(n, dims)) for k, n in enumerate((150, 60, 60))]
+    return labelled, query
+
+
+def test_the_absence_vote_takes_a_state_the_type_s_labelled_cells_lack():
+    from orca_sc._discover.query import absence_vote
+
+    labelled, (first, second, sibling) = _sibling_states()
+    # the sibling: no labelled cell of the type past the midpoint from the type's other cells
+    taken, p_sibling = absence_vote(sibling, np.concatenate([first, second]), labelled, 0.01)
+    assert taken and p_sibling < 1e-3
+    # the type's second state, a piece of it: its labelled cells hold it
+    taken, p_second = absence_vote(second, np.concatenate([first, sibling]), labelled, 0.01)
+    assert not taken and p_second > 0.5
+    # the batch's residual shift (what the alignment leaves) moves neither call; a shift along
+    # the axis as large as half the distance to the sibling would (a limit of the vote)
+    for seed in range(1, 6):
+        labelled, (first, second, sibling) = _sibling_states(seed)
+        assert absence_vote(sibling, np.concatenate([first, second]), labelled, 0.01)[0]
+        assert not absence_vote(second, np.concatenate([first, sibling]), labelled, 0.01)[0]
+    # five labelled cells cannot show that a state is missing; a cluster that is most of the
+    # type's cells in the batch is the type itself and is not read
+    assert not absence_vote(sibling, np.concatenate([first, second]), labelled[:5], 0.01)[0]
+    assert absence_vote(first, np.concatenate([second, sibling])[:100], labelled, 0.01) == (
+        False, None)  # fmt: skip
+
+
+def test_the_query_vote_s_absence_vote_is_a_study_off_by_default():
+    """With the share and contrast votes switched off, the absence vote alone takes the query's
+    novel sibling of a known type, and no cluster of the known types; off by default, and its
+    p-values recorded only when on.
+    """
+    rng = np.random.default_rng(0)
+    labelled, (first, second, sibling) = _sibling_states()
+    others = rng.normal(size=(2, 10)) * 6  # two more known types, far from the first
+    ref = [labelled] + [c + rng.normal(size=(80, 10)) for c in others]
+    qry = [first, second, sibling] + [c + rng.normal(size=(60, 10)) for c in others]
+    x = np.concatenate(ref + qry)
+    labels = np.concatenate([np.full(len(r), k) for k, r in enumerate(ref)]
+                            + [np.full(len(q), -1) for q in qry])  # fmt: skip
+    n_ref = sum(len(r) for r in ref)
+    state = np.concatenate([np.full(n_ref, -1)] + [np.full(len(q), k) for k, q in enumerate(qry)])
+    domain = (labels < 0).astype(int)
+    # the seen heads: each type's labelled mean, on embeddings the type's head claims
+    emb = x / np.linalg.norm(x, axis=1, keepdims=True)
+    heads = np.stack([x[labels == k].mean(0) for k in range(3)])
+    claim = np.argmin(((x[:, None, :] - heads[None]) ** 2).sum(-1), axis=1)
+    sim = np.eye(3)[claim] * 0.9 + 0.05  # each cell claimed by its nearest type, confidently
+    cells = DiscoveryInput(emb, sim, labels, domain, lambda i: x[i],
+                           domain_names=["reference", "query"])  # fmt: skip
+    off = ("share_vote", "contrast_vote")
+    e = _evidence(cells, DiscoveryRules(drop=off, absence_vote=True))
+    record = run_rules(e)
+    assert "absence_p" in record["query_votes"]
+    (members,) = e.groups  # the sibling's cells (state 2), hardly any other
+    assert (state[members] == 2).mean() > 0.9 and (state[members] == 2).sum() > 50
+    e = _evidence(cells, DiscoveryRules(drop=off))
+    record = run_rules(e)
+    assert e.groups == [] and "absence_p" not in record["query_votes"]
+    assert not DiscoveryRules().absence_vote

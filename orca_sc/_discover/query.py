@@ -1,7 +1,9 @@
 """The query vote: in a batch without labelled cells (a separate query), Leiden clusters of the
 whole batch become candidates by their share of out-of-distribution cells (the share vote and
-its test), or where their cells score below the cross-fitted cosines of the known type that
-claims them and below that type's other cells in the batch (the contrast vote).
+its test), where their cells score below the cross-fitted cosines of the known type that
+claims them and below that type's other cells in the batch (the contrast vote), or where that
+type's labelled cells lack the state that sets the cluster apart from the type's other cells in
+the batch (the absence vote).
 """
 
 from __future__ import annotations
@@ -190,6 +192,47 @@ def contrast_vote(
     return bool(auc <= QUERY_MEAN_P and pval <= QUERY_LEVEL / max(n_clusters, 1)), auc
 
 
+#: the absence vote's null: the labelled cells of the known type that claims a query cluster hold
+#: the cluster's state at least this many times as often as the type's cells in the batch do (a
+#: reference may hold one of its type's states four times less often than a query does)
+ABSENCE_COMPOSITION = 0.25
+
+
+def absence_vote(
+    inside: np.ndarray,
+    outside: np.ndarray,
+    labelled: np.ndarray,
+    level: float,
+) -> tuple[bool, float | None]:
+    """Whether the labelled cells of the known type that claims a query cluster lack the state
+    that sets the cluster apart from the type's other cells in the batch. ``inside``: the
+    cluster's cells the type claims, ``outside``: the batch's other cells it claims,
+    ``labelled``: the type's labelled cells, rows of one PCA of the labelled cells and the
+    batch. On the axis from the outside cells' centre to the inside cells', a labelled cell past
+    the midpoint has the cluster's state. Null: the cluster is a state of the type, held by at
+    least :data:`ABSENCE_COMPOSITION` times the cluster's share of the type's cells in the batch
+    of its labelled cells; the cluster is taken when the exact binomial test of the labelled
+    cells past the midpoint rejects it at ``level``. A batch shift across the axis does not
+    move a cell along it; a novel type that a known type's head claims sits past the midpoint
+    with no labelled cell of that type, a piece of the type with some. Only a cluster that is
+    the smaller part of the type's cells in the batch is read (the larger part is taken to be
+    the type itself). Returns the decision and the p-value (``None``: not read).
+    """
+    n_in, n_out, n_lab = inside.shape[0], outside.shape[0], labelled.shape[0]
+    if n_in < 2 or n_out < n_in or n_lab == 0:
+        return False, None
+    centre = outside.mean(axis=0)
+    axis = inside.mean(axis=0) - centre
+    length = float(axis @ axis)
+    if length <= 0:
+        return False, None
+    past = int(((labelled - centre) @ axis > 0.5 * length).sum())
+    from scipy.stats import binom
+
+    pval = float(binom.cdf(past, n_lab, ABSENCE_COMPOSITION * n_in / (n_in + n_out)))
+    return bool(pval <= level), pval
+
+
 def sampled_clusters(
     emb: np.ndarray,
     resolution: float,
@@ -247,6 +290,9 @@ def query_ood_clusters(
     share_level: float | None = None,
     max_cells: int | None = _DEFAULTS.query_vote_cells,
     drop: tuple[str, ...] = (),
+    joint_pca: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
+    labelled_types: np.ndarray | None = None,
+    absence_level: float = _DEFAULTS.novelty_alpha,
 ) -> list[np.ndarray]:
     """Candidate novel clusters of batches without labelled cells, decided per cluster.
 
@@ -275,13 +321,20 @@ def query_ood_clusters(
     test's p-value (``None``: not tested) and the decision are appended. With ``max_cells``, a larger batch is clustered on a sample of that many cells
     (:func:`sampled_clusters`) and each cluster is voted on its sample cells alone: every vote
     then reads as many cells as in a batch of ``max_cells``, and a candidate holds all the cells
-    its cluster took. ``drop`` (an ablation) switches off ``"share_vote"`` or
-    ``"contrast_vote"`` (the conformal and contrast votes). ``resolution``: one for every batch,
-    or each batch's. Returns the index arrays of the candidates' cells.
+    its cluster took. With ``joint_pca`` (the rows of one PCA of the labelled cells and of the
+    given cells of a batch: those of the batch's cells, those of the labelled cells) and
+    ``labelled_types`` (the labelled cells' types, in its order), a cluster the other votes
+    leave, of a known type they give no candidate in the batch, is also a candidate when that
+    type, which claims most of its cells, lacks its state in its labelled cells (the absence
+    vote, :func:`absence_vote` at ``absence_level`` / the batch's number of clusters;
+    ``claimed`` is then required). ``drop`` (an ablation) switches off ``"share_vote"`` or
+    ``"contrast_vote"`` (the conformal and contrast votes). ``resolution``: one for every
+    batch, or each batch's. Returns the index arrays of the candidates' cells.
     """
-    if pvalues is not None and claimed is None:
-        msg = "the contrast vote compares a cluster with its type's cells: pass claimed too"
+    if (pvalues is not None or joint_pca is not None) and claimed is None:
+        msg = "the contrast and absence votes compare a cluster with its type's cells: pass claimed"
         raise ValueError(msg)
+    absence = joint_pca is not None
     found: list[np.ndarray] = []
     for d in np.unique(domain[cells]):  # loop over batches, not cells
         idx = cells[domain[cells] == d]
@@ -310,6 +363,7 @@ def query_ood_clusters(
             fin = np.isfinite(pvalues[idx])
             p_fin, claimed_fin, codes_fin = pvalues[idx][fin], claimed[idx][fin], codes[fin]
             leaves = ~np.isin(codes_fin, [c for c, low in conformal.items() if low])
+        batch_votes = []
         for c in clusters:
             m = idx[codes == c]  # the cluster's voters
             frac = ood[m].mean()
@@ -329,24 +383,63 @@ def query_ood_clusters(
                     p_fin, claimed_fin, codes_fin == c, leaves, clusters.size, min_cells
                 )
             take = (share and share_test) or (conformal_low and contrast_low)
+            batch_votes.append({"batch": int(d), "cells": int((codes_all == c).sum()),
+                                "voters": int(m.size), "mean_p": mean,
+                                "contrast_auc": auc, "share": share,
+                                "share_test_p": share_p, "absence_p": None,
+                                "candidate": take, "flagged": float(frac),
+                                "type": None if claimed is None else _mode(claimed[m])})  # fmt: skip
+        if absence:  # after the other votes, one PCA of the labelled cells and the voters
+            _absence_votes(batch_votes, clusters, codes, claimed[idx], *joint_pca(idx),
+                           labelled_types, absence_level / clusters.size)  # fmt: skip
+        for c, vote in zip(clusters, batch_votes, strict=True):
             if votes is not None:
-                votes.append({"batch": int(d), "cells": int((codes_all == c).sum()),
-                              "voters": int(m.size), "mean_p": mean,
-                              "contrast_auc": auc, "share": share,
-                              "share_test_p": share_p, "candidate": take,
-                              "flagged": float(frac),
-                              "type": None if claimed is None else _mode(claimed[m])})  # fmt: skip
-            if take:
+                votes.append(vote)
+            if vote["candidate"]:
                 found.append(members[codes_all == c])
     return found
 
 
+def _absence_votes(batch_votes: list[dict], clusters: np.ndarray, codes: np.ndarray,
+                   claimed: np.ndarray, z_batch: np.ndarray, z_labelled: np.ndarray,
+                   labelled_types: np.ndarray, level: float) -> None:  # fmt: skip
+    """The absence vote (:func:`absence_vote` at ``level``) of each of a batch's clusters
+    (``codes`` and ``claimed`` of its voters, rows of ``z_batch``) that the other votes left,
+    where they gave no cluster of the type that claims it a candidate: a type's novel head
+    started at one candidate wins that candidate's neighbours in the fit, and a second head for
+    another piece of the same novel type would split it. ``batch_votes`` (in the order of
+    ``clusters``) are updated in place.
+    """
+    headed = {v["type"] for v in batch_votes if v["candidate"]}
+    for c, vote in zip(clusters, batch_votes, strict=True):
+        t = vote["type"]
+        if vote["candidate"] or t in headed:
+            continue
+        mine = claimed == t
+        vote["candidate"], vote["absence_p"] = absence_vote(
+            z_batch[mine & (codes == c)], z_batch[mine & (codes != c)],
+            z_labelled[labelled_types == t], level,
+        )  # fmt: skip
+
+
 def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryRules, seed: int,
-                      pvalues=None, votes=None, claimed=None,
-                      resolution=None) -> list[np.ndarray]:  # fmt: skip
-    """Candidates of the batches without labelled cells (none when there are none)."""
+                      pvalues=None, votes=None, claimed=None, resolution=None,
+                      labels=None) -> list[np.ndarray]:  # fmt: skip
+    """Candidates of the batches without labelled cells (none when there are none); with
+    ``cfg.absence_vote``, ``labels`` (every cell's, -1: unlabelled) and ``claimed``, the absence
+    vote reads the labelled cells.
+    """
     if not query.any():
         return []
+    joint_pca, labelled_types = None, None
+    if cfg.absence_vote and labels is not None and claimed is not None:
+        lab = np.flatnonzero(labels >= 0)
+        labelled_types = labels[lab]
+
+        def joint_pca(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            z = pca_cells(np.concatenate([lab, idx]))
+            return z[lab.size :], z[: lab.size]
+
     return query_ood_clusters(
         ood, np.flatnonzero(query), domain, pca_cells,
         min_fraction=cfg.query_min_fraction, min_enrichment=cfg.query_min_enrichment,
@@ -354,7 +447,8 @@ def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryRules, seed: 
         n_neighbors=cfg.n_neighbors, pvalues=pvalues,
         min_cells=cells_for_quantile(cfg.novelty_alpha), votes=votes, claimed=claimed,
         share_level=None if "share_test" in cfg.drop else cfg.novelty_alpha,
-        max_cells=cfg.query_vote_cells, drop=cfg.drop,
+        max_cells=cfg.query_vote_cells, drop=cfg.drop, joint_pca=joint_pca,
+        labelled_types=labelled_types, absence_level=cfg.novelty_alpha,
     )  # fmt: skip
 
 

@@ -281,7 +281,9 @@ class QueryVote(Rule):
     vote (enough of its cells below their threshold, and, where they have p-values, scoring
     below the labelled cells as a whole) or by the contrast vote (its cells below the
     cross-fitted cosines of the type that claims them, and below that type's other cells in the
-    batch). Without p-values, the share vote alone.
+    batch). Without p-values, the share vote alone. With ``absence_vote`` (a study, not the
+    default), a cluster of a type these votes give no candidate is also one where that type's
+    labelled cells lack its state (the absence vote).
     """
 
     name = "query vote"
@@ -289,14 +291,16 @@ class QueryVote(Rule):
     def run(self, e: DiscoveryState) -> None:
         if not e.query.any():
             return
-        cfg, claimed = e.cfg, e.predicted if e.contrast else None
+        cfg = e.cfg
+        claimed = e.predicted if e.contrast or cfg.absence_vote else None
         ood = e.maxcos < (e.threshold if e.cell_threshold is None else e.cell_threshold)
         resolution = cfg.query_resolution
         if resolution == "reference":  # each query batch's, checked on the labelled cells
             e.query_resolutions = query_resolutions(e)
             resolution = {d: r for d, (r, _) in e.query_resolutions.items()}
         e.groups = _query_candidates(ood, e.query, e.domain, e.pca_cells, cfg, e.seed,
-                                     e.pvalues, e.votes, claimed, resolution)  # fmt: skip
+                                     e.pvalues, e.votes, claimed, resolution,
+                                     e.labels)  # fmt: skip
         e.notes += spread_notes(e.votes, e.batch_names, e.class_names)
 
     def record(self, e: DiscoveryState) -> dict[str, Any]:
@@ -316,6 +320,8 @@ class QueryVote(Rule):
             "share_test_p": column("share_test_p"),
             "candidate": [v["candidate"] for v in e.votes],
         }
+        if e.cfg.absence_vote:
+            votes["absence_p"] = column("absence_p")
         out: dict[str, Any] = {"query_votes": votes}
         if e.query_resolutions:
             out["query_resolution"] = {
@@ -341,6 +347,12 @@ class QueryVote(Rule):
                 f"{QUERY_LEVEL:g})"
                 " and below that type's cells in the batch's clusters this leaves "
                 f"(Mann-Whitney at level {QUERY_LEVEL:g}, P(above) <= {QUERY_MEAN_P:g})"
+            )
+        if cfg.absence_vote:
+            share += (
+                ", or, of a known type these give no candidate, whose state that type's "
+                "labelled cells lack (binomial test at level "
+                f"{cfg.novelty_alpha:g} over the batch's clusters, estimate['query_votes'])"
             )
         if cfg.query_resolution == "reference":
             res = (
