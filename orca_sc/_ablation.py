@@ -92,7 +92,7 @@ class DiscoveryRules(DiscoveryConfig):
     absence_vote
         A query cluster is also a candidate when the labelled cells of the known type that claims
         it lack the state that sets it apart from the type's other cells in the batch
-        (:func:`orca_sc._discover.query.absence_vote`; a study of "ORCA core 5", not the default).
+        (:func:`orca_sc._discover.query.absence_pvalue`; a study of "ORCA core 5", not the default).
     core_min_agree, core_min_fraction
         A candidate cell is at its cluster's core when this share of its neighbours is in the cluster; a cluster with a smaller share of core cells is not anchored.
     anchor_supported

@@ -198,39 +198,44 @@ def contrast_vote(
 ABSENCE_COMPOSITION = 0.25
 
 
-def absence_vote(
-    inside: np.ndarray,
-    outside: np.ndarray,
-    labelled: np.ndarray,
-    level: float,
-) -> tuple[bool, float | None]:
-    """Whether the labelled cells of the known type that claims a query cluster lack the state
-    that sets the cluster apart from the type's other cells in the batch. ``inside``: the
-    cluster's cells the type claims, ``outside``: the batch's other cells it claims,
-    ``labelled``: the type's labelled cells, rows of one PCA of the labelled cells and the
-    batch. On the axis from the outside cells' centre to the inside cells', a labelled cell past
-    the midpoint has the cluster's state. Null: the cluster is a state of the type, held by at
-    least :data:`ABSENCE_COMPOSITION` times the cluster's share of the type's cells in the batch
-    of its labelled cells; the cluster is taken when the exact binomial test of the labelled
-    cells past the midpoint rejects it at ``level``. A batch shift across the axis does not
-    move a cell along it; a novel type that a known type's head claims sits past the midpoint
-    with no labelled cell of that type, a piece of the type with some. Only a cluster that is
-    the smaller part of the type's cells in the batch is read (the larger part is taken to be
-    the type itself). Returns the decision and the p-value (``None``: not read).
+def absence_pvalue(inside: np.ndarray, outside: np.ndarray, labelled: np.ndarray) -> float | None:
+    """The absence vote's p-value: that the labelled cells of the known type that claims a query
+    cluster hold the state that sets the cluster apart from the type's other cells in the
+    batch. ``inside``: the cluster's cells the type claims, ``outside``: the batch's other cells
+    it claims, ``labelled``: the type's labelled cells, rows of one PCA of the labelled cells
+    and the batch. On the axis from the outside cells' centre to the inside cells', a labelled
+    cell past the midpoint has the cluster's state. Null: the cluster is a state of the type,
+    held by at least :data:`ABSENCE_COMPOSITION` times the cluster's share of the type's cells
+    in the batch of its labelled cells; the p-value is the exact binomial test's of the
+    labelled cells past the midpoint. A shift of the batch across the axis does not move a cell
+    along it (one along it as large as half the distance does); a novel type that a known
+    type's head claims sits past the midpoint with no labelled cell of that type, a piece of
+    the type with some. Only a cluster that is the smaller part of the type's cells in the batch
+    is read (the larger part is taken to be the type itself). ``None``: not read.
     """
     n_in, n_out, n_lab = inside.shape[0], outside.shape[0], labelled.shape[0]
     if n_in < 2 or n_out < n_in or n_lab == 0:
-        return False, None
+        return None
     centre = outside.mean(axis=0)
     axis = inside.mean(axis=0) - centre
     length = float(axis @ axis)
     if length <= 0:
-        return False, None
+        return None
     past = int(((labelled - centre) @ axis > 0.5 * length).sum())
     from scipy.stats import binom
 
-    pval = float(binom.cdf(past, n_lab, ABSENCE_COMPOSITION * n_in / (n_in + n_out)))
-    return bool(pval <= level), pval
+    return float(binom.cdf(past, n_lab, ABSENCE_COMPOSITION * n_in / (n_in + n_out)))
+
+
+def absence_vote(
+    inside: np.ndarray, outside: np.ndarray, labelled: np.ndarray, level: float
+) -> tuple[bool, float | None]:
+    """Whether the labelled cells of the known type that claims a query cluster lack its state:
+    :func:`absence_pvalue` at most ``level``. Returns the decision and the p-value (``None``:
+    not read).
+    """
+    pval = absence_pvalue(inside, outside, labelled)
+    return bool(pval is not None and pval <= level), pval
 
 
 def sampled_clusters(
@@ -326,7 +331,7 @@ def query_ood_clusters(
     ``labelled_types`` (the labelled cells' types, in its order), a cluster the other votes
     leave, of a known type they give no candidate in the batch, is also a candidate when that
     type, which claims most of its cells, lacks its state in its labelled cells (the absence
-    vote, :func:`absence_vote` at ``absence_level`` / the batch's number of clusters;
+    vote, :func:`absence_pvalue` at ``absence_level`` over the clusters it reads;
     ``claimed`` is then required). ``drop`` (an ablation) switches off ``"share_vote"`` or
     ``"contrast_vote"`` (the conformal and contrast votes). ``resolution``: one for every
     batch, or each batch's. Returns the index arrays of the candidates' cells.
@@ -391,7 +396,7 @@ def query_ood_clusters(
                                 "type": None if claimed is None else _mode(claimed[m])})  # fmt: skip
         if absence:  # after the other votes, one PCA of the labelled cells and the voters
             _absence_votes(batch_votes, clusters, codes, claimed[idx], *joint_pca(idx),
-                           labelled_types, absence_level / clusters.size)  # fmt: skip
+                           labelled_types, absence_level)  # fmt: skip
         for c, vote in zip(clusters, batch_votes, strict=True):
             if votes is not None:
                 votes.append(vote)
@@ -403,23 +408,25 @@ def query_ood_clusters(
 def _absence_votes(batch_votes: list[dict], clusters: np.ndarray, codes: np.ndarray,
                    claimed: np.ndarray, z_batch: np.ndarray, z_labelled: np.ndarray,
                    labelled_types: np.ndarray, level: float) -> None:  # fmt: skip
-    """The absence vote (:func:`absence_vote` at ``level``) of each of a batch's clusters
-    (``codes`` and ``claimed`` of its voters, rows of ``z_batch``) that the other votes left,
-    where they gave no cluster of the type that claims it a candidate: a type's novel head
-    started at one candidate wins that candidate's neighbours in the fit, and a second head for
-    another piece of the same novel type would split it. ``batch_votes`` (in the order of
-    ``clusters``) are updated in place.
+    """The absence vote of each of a batch's clusters (``codes`` and ``claimed`` of its voters,
+    rows of ``z_batch``) that the other votes left, where they gave no cluster of the type that
+    claims it a candidate (a type's novel head started at one candidate wins that candidate's
+    neighbours in the fit; a second head for another piece of the same novel type would split
+    it): :func:`absence_pvalue` at ``level`` over the clusters it reads (Bonferroni).
+    ``batch_votes`` (in the order of ``clusters``) are updated in place.
     """
     headed = {v["type"] for v in batch_votes if v["candidate"]}
     for c, vote in zip(clusters, batch_votes, strict=True):
         t = vote["type"]
-        if vote["candidate"] or t in headed:
-            continue
-        mine = claimed == t
-        vote["candidate"], vote["absence_p"] = absence_vote(
-            z_batch[mine & (codes == c)], z_batch[mine & (codes != c)],
-            z_labelled[labelled_types == t], level,
-        )  # fmt: skip
+        if not vote["candidate"] and t not in headed:
+            mine = claimed == t
+            vote["absence_p"] = absence_pvalue(
+                z_batch[mine & (codes == c)], z_batch[mine & (codes != c)],
+                z_labelled[labelled_types == t],
+            )  # fmt: skip
+    read = [v for v in batch_votes if v["absence_p"] is not None]
+    for vote in read:
+        vote["candidate"] = vote["absence_p"] <= level / len(read)
 
 
 def _query_candidates(ood, query, domain, pca_cells, cfg: DiscoveryRules, seed: int,

@@ -352,7 +352,7 @@ class QueryVote(Rule):
             share += (
                 ", or, of a known type these give no candidate, whose state that type's "
                 "labelled cells lack (binomial test at level "
-                f"{cfg.novelty_alpha:g} over the batch's clusters, estimate['query_votes'])"
+                f"{cfg.novelty_alpha:g} over the clusters it reads, estimate['query_votes'])"
             )
         if cfg.query_resolution == "reference":
             res = (
