@@ -182,26 +182,27 @@ def _sibling_states(seed=0, shift=1.5):
 
 
 def test_the_absence_vote_takes_a_state_the_type_s_labelled_cells_lack():
-    from orca_sc._discover.query import absence_vote
+    from orca_sc._discover.query import absence_pvalue
+
+    def absent(inside, outside, labelled, level=0.01):
+        p = absence_pvalue(inside, outside, labelled)
+        return p is not None and p <= level
 
     labelled, (first, second, sibling) = _sibling_states()
     # the sibling: no labelled cell of the type past the midpoint from the type's other cells
-    taken, p_sibling = absence_vote(sibling, np.concatenate([first, second]), labelled, 0.01)
-    assert taken and p_sibling < 1e-3
+    assert absence_pvalue(sibling, np.concatenate([first, second]), labelled) < 1e-3
     # the type's second state, a piece of it: its labelled cells hold it
-    taken, p_second = absence_vote(second, np.concatenate([first, sibling]), labelled, 0.01)
-    assert not taken and p_second > 0.5
+    assert absence_pvalue(second, np.concatenate([first, sibling]), labelled) > 0.5
     # the batch's residual shift (what the alignment leaves) moves neither call; a shift along
     # the axis as large as half the distance to the sibling would (a limit of the vote)
     for seed in range(1, 6):
         labelled, (first, second, sibling) = _sibling_states(seed)
-        assert absence_vote(sibling, np.concatenate([first, second]), labelled, 0.01)[0]
-        assert not absence_vote(second, np.concatenate([first, sibling]), labelled, 0.01)[0]
+        assert absent(sibling, np.concatenate([first, second]), labelled)
+        assert not absent(second, np.concatenate([first, sibling]), labelled)
     # five labelled cells cannot show that a state is missing; a cluster that is most of the
     # type's cells in the batch is the type itself and is not read
-    assert not absence_vote(sibling, np.concatenate([first, second]), labelled[:5], 0.01)[0]
-    assert absence_vote(first, np.concatenate([second, sibling])[:100], labelled, 0.01) == (
-        False, None)  # fmt: skip
+    assert not absent(sibling, np.concatenate([first, second]), labelled[:5])
+    assert absence_pvalue(first, np.concatenate([second, sibling])[:100], labelled) is None
 
 
 def test_the_query_vote_s_absence_vote_is_a_study_off_by_default():

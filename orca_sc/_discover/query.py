@@ -205,9 +205,9 @@ def absence_pvalue(inside: np.ndarray, outside: np.ndarray, labelled: np.ndarray
     it claims, ``labelled``: the type's labelled cells, rows of one PCA of the labelled cells
     and the batch. On the axis from the outside cells' centre to the inside cells', a labelled
     cell past the midpoint has the cluster's state. Null: the cluster is a state of the type,
-    held by at least :data:`ABSENCE_COMPOSITION` times the cluster's share of the type's cells
-    in the batch of its labelled cells; the p-value is the exact binomial test's of the
-    labelled cells past the midpoint. A shift of the batch across the axis does not move a cell
+    which a share of its labelled cells holds of at least :data:`ABSENCE_COMPOSITION` times the
+    cluster's share of the type's cells in the batch; the p-value is the exact binomial test's
+    of the labelled cells past the midpoint. A shift of the batch across the axis does not move a cell
     along it (one along it as large as half the distance does); a novel type that a known
     type's head claims sits past the midpoint with no labelled cell of that type, a piece of
     the type with some. Only a cluster that is the smaller part of the type's cells in the batch
@@ -225,17 +225,6 @@ def absence_pvalue(inside: np.ndarray, outside: np.ndarray, labelled: np.ndarray
     from scipy.stats import binom
 
     return float(binom.cdf(past, n_lab, ABSENCE_COMPOSITION * n_in / (n_in + n_out)))
-
-
-def absence_vote(
-    inside: np.ndarray, outside: np.ndarray, labelled: np.ndarray, level: float
-) -> tuple[bool, float | None]:
-    """Whether the labelled cells of the known type that claims a query cluster lack its state:
-    :func:`absence_pvalue` at most ``level``. Returns the decision and the p-value (``None``:
-    not read).
-    """
-    pval = absence_pvalue(inside, outside, labelled)
-    return bool(pval is not None and pval <= level), pval
 
 
 def sampled_clusters(
