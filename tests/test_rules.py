@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import SHARED_DATA
 
 import orca_sc
 from orca_sc._ablation import Ablation, DiscoveryRules, split_options
@@ -238,3 +239,28 @@ def test_the_query_vote_s_absence_vote_is_a_study_off_by_default():
     record = run_rules(e)
     assert e.groups == [] and "absence_p" not in record["query_votes"]
     assert not DiscoveryRules().absence_vote
+
+
+@pytest.mark.skipif(
+    not (SHARED_DATA / "pbmc_sorted_vs_3k.h5ad").exists(), reason="shared data absent"
+)
+def test_the_absence_vote_finds_the_fcgr3a_monocytes_the_sorted_cd14_head_claims():
+    """Real data: pbmc3k annotated against the bead-sorted PBMC populations. Its FCGR3A+
+    monocytes score like the sorted CD14+ monocytes on that head, so the defaults keep them
+    known; the sorted CD14+ monocytes lack their state, and the absence vote calls them novel
+    while pbmc3k's own CD14+ monocytes stay known.
+    """
+    from orca_sc.benchmark import annotate_task, dev_suite
+
+    (spec,) = dev_suite(SHARED_DATA, large=False, only=["pbmc_sorted_to_3k"])
+    task = spec.make(0)
+    share = {}
+    for on in (False, True):
+        adata, rows = annotate_task(task, 0, absence_vote=on)
+        query = adata[rows]
+        novel = query.obs["orca_novel"].notna().to_numpy()
+        truth = query.obs["truth"].astype(str).to_numpy()
+        share[on] = {t: novel[truth == t].mean() for t in ("FCGR3A+ Mono", "CD14+ Mono")}
+        assert ("absence_p" in query.uns["orca"]["estimate"]["query_votes"]) == on
+    assert share[False]["FCGR3A+ Mono"] < 0.1
+    assert share[True]["FCGR3A+ Mono"] > 0.8 and share[True]["CD14+ Mono"] < 0.1
